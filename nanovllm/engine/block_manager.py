@@ -1,0 +1,149 @@
+"""Paged KV-cache bookkeeping with prefix caching (chapter 04).
+
+The cache is cut into fixed-size blocks. Each sequence owns a *block table*: the list of
+block ids that hold its tokens, in order. A full block is identified by a chained hash of
+every token up to and including it, so two requests with the same prefix can share the
+blocks of that prefix (reference-counted). A freed block keeps its contents and its hash;
+it is only recycled, least recently freed first, when a fresh block is needed, so a later
+request with the same prefix can still find it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+
+from nanovllm.engine.sequence import Sequence
+
+
+def chain_hash(parent: int | None, token_ids: list[int]) -> int:
+    """Hash of a block's tokens *and* of everything before them (via the parent hash)."""
+    h = xxhash.xxh64()
+    if parent is not None:
+        h.update(parent.to_bytes(8, "little"))
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.intdigest()
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] = field(default=())  # kept to rule out hash collisions
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free blocks in eviction order: the first is recycled first.
+        self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+        self.queried_tokens = 0  # prompt tokens looked up in the prefix cache
+        self.hit_tokens = 0  # ... of which were found there
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_ids)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by at least one sequence."""
+        return 1 - len(self.free_ids) / len(self.blocks)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids holding the longest cached prefix of ``seq`` (nothing is changed).
+
+        At most ``num_tokens - 1`` tokens may come from the cache: the last token must be
+        computed to produce the logits of the next one.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        found, parent = [], None
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
+            parent = chain_hash(parent, tokens)
+            block_id = self.hash_to_block.get(parent)
+            if block_id is None or self.blocks[block_id].token_ids != tuple(tokens):
+                break
+            found.append(block_id)
+        return found
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> bool:
+        """Give ``seq`` slots for ``num_new_tokens`` more tokens, after adopting the
+        ``cached`` prefix blocks (only for a sequence that holds no blocks yet).
+        Returns False, changing nothing, when there are not enough free blocks."""
+        assert not cached or not seq.block_table
+        total = seq.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
+        fresh = self.blocks_needed(total) - len(seq.block_table) - len(cached)
+        revived = sum(1 for b in cached if self.blocks[b].ref_count == 0)
+        if fresh + revived > len(self.free_ids):
+            return False
+        if not seq.block_table:
+            self.queried_tokens += seq.num_tokens
+            self.hit_tokens += len(cached) * self.block_size
+        for block_id in cached:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_ids[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+            seq.block_hashes.append(block.hash)
+        seq.num_computed_tokens += len(cached) * self.block_size
+        for _ in range(max(fresh, 0)):
+            seq.block_table.append(self._take_free_block())
+        return True
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_ids.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
+            del self.hash_to_block[block.hash]  # evict: its contents are about to change
+        block.hash, block.token_ids, block.ref_count = None, (), 1
+        return block_id
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the blocks that became full since the last call, so later requests
+        (or this one, after a preemption) can reuse them. Generated tokens count too."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
+            tokens = seq.token_ids[i * bs : (i + 1) * bs]
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            h = chain_hash(parent, tokens)
+            seq.block_hashes.append(h)
+            if h not in self.hash_to_block:  # else an identical block is already cached
+                block = self.blocks[seq.block_table[i]]
+                block.hash, block.token_ids = h, tuple(tokens)
+                self.hash_to_block[h] = block.block_id
+
+    def free(self, seq: Sequence) -> None:
+        """Release ``seq``'s blocks and reset its progress to zero tokens. Blocks with a hash stay findable until recycled; the
+        tail of a sequence is queued for recycling before its (more shareable) head."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed twice"
+            if block.ref_count == 0:
+                self.free_ids[block_id] = None
+                if block.hash is None:  # nothing worth keeping: recycle it first
+                    self.free_ids.move_to_end(block_id, last=False)
+        seq.block_table, seq.block_hashes = [], []
+        seq.num_computed_tokens = 0

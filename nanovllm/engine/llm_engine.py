@@ -1,0 +1,161 @@
+"""The step loop: schedule -> run the model -> apply the new tokens (chapters 00 and 06).
+
+``add_request`` validates a request completely before it enters the engine, so bad input
+raises ``ValueError`` and never disturbs the requests already inside.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from nanovllm.config import EngineConfig
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.sequence import Sequence
+from nanovllm.models import ModelConfig, get_model_class
+from nanovllm.outputs import CompletionOutput, RequestOutput
+from nanovllm.sampling_params import SamplingParams
+
+MAX_DEFAULT_MODEL_LEN = 8192
+
+
+def load_tokenizer(path: str):
+    """The model folder's tokenizer, or None for a config-only folder (dummy weights)."""
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    if not any(os.path.exists(os.path.join(path, n)) for n in names):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config = ModelConfig.from_pretrained(config.model)
+        get_model_class(self.model_config.architecture)  # fail early on unsupported models
+        if config.max_model_len is None:
+            config.max_model_len = min(self.model_config.max_position_embeddings, MAX_DEFAULT_MODEL_LEN)
+        if config.max_model_len > self.model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {self.model_config.max_position_embeddings}")
+        self.tokenizer = load_tokenizer(config.model)
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.runner = ModelRunner(config, self.model_config)
+        self.block_manager = BlockManager(
+            self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.requests: dict[str, Sequence] = {}
+
+    # -- requests ------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("this model folder has no tokenizer; pass token ids instead")
+            return prompt, self.tokenizer.encode(prompt)
+        token_ids = list(prompt)
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        return None, token_ids
+
+    def make_sequence(self, prompt: str | list[int], params: SamplingParams,
+                      request_id: str | None = None) -> Sequence:
+        """Validate one request and wrap it in a Sequence (nothing enters the engine yet)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
+        text, token_ids = self.tokenize(prompt)
+        limit = self.config.max_model_len
+        if len(token_ids) >= limit:
+            raise ValueError(f"prompt has {len(token_ids)} tokens but max_model_len is {limit}; "
+                             "it must leave room for at least one new token")
+        longest = min(len(token_ids) + params.max_tokens, limit)
+        capacity = self.block_manager.num_blocks * self.config.block_size
+        if longest > capacity:
+            raise ValueError(f"a request of up to {longest} tokens cannot fit in the KV cache "
+                             f"({capacity} tokens); raise the KV budget or lower max_tokens")
+        if request_id is not None and request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        return Sequence(token_ids, params, request_id, text)
+
+    def add_sequence(self, seq: Sequence) -> None:
+        self.requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams,
+                    request_id: str | None = None) -> str:
+        seq = self.make_sequence(prompt, params, request_id)
+        self.add_sequence(seq)
+        return seq.request_id
+
+    def abort(self, request_id: str) -> None:
+        seq = self.requests.pop(request_id, None)
+        if seq is not None and not seq.is_finished:
+            self.scheduler.finish(seq, "abort")
+            self.runner.release(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop ------------------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """Run one engine step; returns the sequences that received tokens in it."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        tokens = self.runner.run(batch)
+        now = time.perf_counter()
+        updated = []
+        for seq, n, token in zip(batch.seqs, batch.num_new_tokens, tokens):
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+            if token is None:
+                continue
+            seq.token_ids.append(token)
+            if seq.metrics.first_token_time is None:
+                seq.metrics.first_token_time = now
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                self.runner.release(seq)
+                self.requests.pop(seq.request_id, None)
+            updated.append(seq)
+        return updated
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.params
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if token in params.stop_token_ids:
+            return "stop"
+        if params.stop and self.tokenizer is not None and self._hits_stop_string(seq):
+            return "stop"
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def _hits_stop_string(self, seq: Sequence) -> bool:
+        longest = max(len(s) for s in seq.params.stop)
+        # A stop string spans at most `longest` tokens; decode a little more for safety.
+        tail = self.tokenizer.decode(seq.output_token_ids[-(longest + 4):])
+        return any(s in tail for s in seq.params.stop)
+
+    def output(self, seq: Sequence) -> RequestOutput:
+        token_ids = seq.output_token_ids
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
+        if seq.params.stop and seq.finish_reason == "stop":
+            for s in seq.params.stop:  # like vLLM, the stop string itself is not returned
+                if s in text:
+                    text = text[: text.index(s)]
+        completion = CompletionOutput(0, text, token_ids, seq.finish_reason)
+        return RequestOutput(seq.request_id, seq.prompt, seq.token_ids[: seq.num_prompt_tokens],
+                             [completion], seq.is_finished, seq.metrics)

@@ -1,0 +1,174 @@
+"""Turns a scheduled batch into tensors, runs the model and samples (chapters 04 and 07).
+
+The runner owns the model, the KV cache and the sampler. For each step it lays the new
+tokens of every scheduled sequence end to end (decodes first), computes where each new
+token's key and value go in the cache (the *slot mapping*), runs the forward pass under
+that attention metadata and samples one token for each sequence that reached its end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanovllm.config import EngineConfig
+from nanovllm.context import AttentionMetadata, attention_metadata
+from nanovllm.engine.scheduler import ScheduledBatch
+from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.attention import Attention, select_backend
+from nanovllm.layers.sampler import Sampler, SamplingTensors
+from nanovllm.models import ModelConfig, get_model_class
+from nanovllm.weights.loader import load_dummy, load_safetensors
+
+CPU_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass
+class PreparedBatch:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    meta: AttentionMetadata
+    sample_indices: torch.Tensor  # rows of the hidden states whose logits are sampled
+    sample_seqs: list[Sequence]  # the sequences those rows belong to, in the same order
+    logit_rows: list[int]  # per sequence in batch order: its sample row, or -1 mid-prompt
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
+        self.config, self.model_config = config, model_config
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        self.block_size = config.block_size
+        self.model = self._build_model()
+        self.backend = select_backend(config.attention_backend, self.device)
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        for layer in self.attention_layers:
+            layer.backend = self.backend
+        self.num_kv_blocks = self._kv_budget_in_blocks()
+        self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
+        self.sampler = Sampler(config.seed, self.device)
+        self._generators: dict[int, torch.Generator] = {}
+
+    # -- setup ---------------------------------------------------------------------------
+    def _build_model(self) -> torch.nn.Module:
+        cls = get_model_class(self.model_config.architecture)
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = cls(self.model_config)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        if self.config.load_format == "dummy":
+            load_dummy(model, self.config.seed)
+        else:
+            load_safetensors(model, self.config.model)
+        for module in model.modules():  # RoPE tables stay fp32 whatever the model dtype
+            if hasattr(module, "cos"):
+                module.cos, module.sin = module.cos.float(), module.sin.float()
+        return model.eval()
+
+    def kv_bytes_per_block(self) -> int:
+        per_token = self.model_config.kv_bytes_per_token(self.dtype.itemsize)
+        return per_token * self.block_size
+
+    def _kv_budget_in_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.config.kv_cache_memory is not None:
+            budget = self.config.kv_cache_memory
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            budget = free - (1 - self.config.gpu_memory_utilization) * total
+        else:
+            budget = CPU_KV_CACHE_BYTES
+        blocks = int(budget // self.kv_bytes_per_block())
+        if blocks < 1:
+            raise ValueError("the KV-cache budget does not hold a single block")
+        return blocks
+
+    def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        cfg = self.model_config
+        shape = (2, cfg.num_layers, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(self.attention_layers):
+            layer.k_cache, layer.v_cache = cache[0, i], cache[1, i]
+        return cache
+
+    # -- one step ------------------------------------------------------------------------
+    def prepare(self, batch: ScheduledBatch) -> PreparedBatch:
+        """Pack the batch's new tokens, decodes first, into model inputs."""
+        order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1)
+        input_ids, positions, slots, cu_q, lens_k, tables = [], [], [], [0], [], []
+        logit_rows, sample_from, sample_seqs = [-1] * len(batch), [], []
+        bs = self.block_size
+        for i in order:
+            seq, n = batch.seqs[i], batch.num_new_tokens[i]
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
+            cu_q.append(cu_q[-1] + n)
+            lens_k.append(end)
+            tables.append(seq.block_table)
+            if end == seq.num_tokens:
+                logit_rows[i] = len(sample_from)
+                sample_from.append(cu_q[-1] - 1)
+                sample_seqs.append(seq)
+        width = max(len(t) for t in tables)
+        padded = [t + [-1] * (width - len(t)) for t in tables]
+        as_int32 = lambda x: torch.tensor(x, dtype=torch.int32, device=self.device)  # noqa: E731
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
+            cu_seqlens_q=as_int32(cu_q),
+            seq_lens_k=as_int32(lens_k),
+            block_tables=as_int32(padded),
+            max_seqlen_q=max(batch.num_new_tokens),
+            max_seqlen_k=max(lens_k),
+            num_decodes=sum(1 for n in batch.num_new_tokens if n == 1),
+            cu_seqlens_q_host=cu_q,
+            seq_lens_k_host=lens_k,
+        )
+        as_int64 = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731
+        return PreparedBatch(as_int64(input_ids), as_int64(positions), meta,
+                             as_int64(sample_from), sample_seqs, logit_rows)
+
+    def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
+        vocab = self.model_config.vocab_size
+        params = [s.params for s in seqs]
+        to = lambda x, dt: torch.tensor(x, dtype=dt, device=self.device)  # noqa: E731
+        return SamplingTensors(
+            temperatures=to([p.temperature for p in params], torch.float32),
+            top_k=to([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64),
+            top_p=to([p.top_p for p in params], torch.float32),
+            min_p=to([p.min_p for p in params], torch.float32),
+            generators=[self._generator(s) for s in seqs],
+            all_greedy=all(p.temperature == 0 for p in params),
+            any_filter=any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params),
+        )
+
+    def _generator(self, seq: Sequence) -> torch.Generator | None:
+        if seq.params.seed is None:
+            return None
+        if seq.seq_id not in self._generators:
+            gen = torch.Generator(device=self.device).manual_seed(seq.params.seed)
+            self._generators[seq.seq_id] = gen
+        return self._generators[seq.seq_id]
+
+    def release(self, seq: Sequence) -> None:
+        """Forget per-sequence state once a sequence has finished."""
+        self._generators.pop(seq.seq_id, None)
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> list[int | None]:
+        """One forward pass; the sampled token of each sequence, or None mid-prompt."""
+        step = self.prepare(batch)
+        with attention_metadata(step.meta):
+            hidden = self.model(step.input_ids, step.positions)
+        if not step.sample_seqs:
+            return [None] * len(batch)
+        logits = self.model.compute_logits(hidden[step.sample_indices])
+        tokens = self.sampler(logits, self.sampling_tensors(step.sample_seqs)).tolist()
+        return [tokens[r] if r >= 0 else None for r in step.logit_rows]

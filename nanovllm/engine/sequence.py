@@ -1,0 +1,66 @@
+"""A ``Sequence``: one request's tokens and its place in the engine (chapters 04 and 06)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from enum import Enum, auto
+
+from nanovllm.outputs import RequestMetrics
+from nanovllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    """Prompt plus generated tokens, the KV blocks that hold them, and bookkeeping.
+
+    ``num_computed_tokens`` counts tokens whose keys and values are in the cache; the
+    scheduler gives each step's sequences some of the rest to compute (a whole prompt, a
+    chunk of one, or the single newest token when decoding).
+    """
+
+    _ids = itertools.count()
+
+    def __init__(self, token_ids: list[int], params: SamplingParams,
+                 request_id: str | None = None, prompt: str | None = None) -> None:
+        self.seq_id = next(Sequence._ids)
+        self.request_id = request_id if request_id is not None else str(self.seq_id)
+        self.prompt = prompt
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.params = params
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of this sequence's full blocks
+        self.num_computed_tokens = 0
+        self.finish_reason: str | None = None
+        self.user: str | None = None  # tenant, for fair scheduling
+        self.metrics = RequestMetrics(arrival_time=time.perf_counter())
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, {self.status.name})")

@@ -1,0 +1,51 @@
+"""Token embedding and the LM head, split over the vocabulary (chapters 01 and 09).
+
+Each rank holds a contiguous slice of the vocabulary. The embedding looks up the tokens it
+owns and zeroes the rest before an all-reduce; the head computes its slice of the logits,
+which rank 0 gathers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.distributed import all_reduce, tp_rank, tp_size
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.shard_size = -(-vocab_size // tp_size())
+        self.start = tp_rank() * self.shard_size
+        self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        part = loaded[self.start : self.start + self.shard_size]
+        param.data.zero_()  # the last shard may be shorter than the others
+        param.data[: part.shape[0]].copy_(part)
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if tp_size() == 1:
+            return F.embedding(token_ids, self.weight)
+        local = token_ids - self.start
+        owned = (local >= 0) & (local < self.shard_size)
+        y = F.embedding(local.clamp(0, self.shard_size - 1), self.weight)
+        return all_reduce(y * owned.unsqueeze(-1))
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__(vocab_size, hidden_size)
+        self.vocab_size = vocab_size
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if tp_size() > 1:
+            shards = [torch.empty_like(logits) for _ in range(tp_size())]
+            dist.all_gather(shards, logits)
+            logits = torch.cat(shards, dim=-1)
+        return logits[..., : self.vocab_size]

@@ -1,0 +1,103 @@
+"""Linear layers that know how to load (a shard of) their checkpoint weights.
+
+Chapter 01 introduces the packed projections; chapter 09 the tensor-parallel split.
+Every weight carries a ``weight_loader(param, loaded, shard_id=None)``, so the checkpoint
+loader is one generic loop: it never needs to know how a layer packs or shards weights.
+
+- ``ColumnParallelLinear`` splits the output features across ranks;
+- ``MergedColumnParallelLinear`` packs several projections of one input (gate and up);
+- ``QKVParallelLinear`` packs q, k and v, splitting heads across ranks;
+- ``RowParallelLinear`` splits the input features and sums partial outputs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.distributed import all_reduce, tp_rank, tp_size
+
+
+class LinearBase(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        param.data.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        assert output_size % tp_size() == 0, "output features must divide evenly across ranks"
+        super().__init__(input_size, output_size // tp_size(), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        rows = param.shape[0]
+        param.data.copy_(loaded.narrow(0, tp_rank() * rows, rows))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input, stored as one matrix."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+        local = [size // tp_size() for size in self.output_sizes]
+        offset = sum(local[:shard_id])
+        part = loaded.narrow(0, tp_rank() * local[shard_id], local[shard_id])
+        param.data.narrow(0, offset, local[shard_id]).copy_(part)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one matrix, laid out ``[q heads | k heads | v heads]``."""
+
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False
+    ) -> None:
+        tp = tp_size()
+        assert num_heads % tp == 0 and num_kv_heads % tp == 0, "heads must divide across ranks"
+        self.head_dim = head_dim
+        self.num_heads, self.num_kv_heads = num_heads // tp, num_kv_heads // tp
+        total = (num_heads + 2 * num_kv_heads) * head_dim
+        super().__init__(hidden_size, total, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[
+            shard_id
+        ]
+        part = loaded.narrow(0, tp_rank() * size, size)
+        param.data.narrow(0, offset, size).copy_(part)
+
+
+class RowParallelLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        assert input_size % tp_size() == 0, "input features must divide evenly across ranks"
+        super().__init__(input_size // tp_size(), output_size, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if param.dim() == 1:  # the bias is added once, after the reduction
+            param.data.copy_(loaded)
+            return
+        cols = param.shape[1]
+        param.data.copy_(loaded.narrow(1, tp_rank() * cols, cols))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        y = all_reduce(y)
+        return y if self.bias is None else y + self.bias

@@ -1,0 +1,73 @@
+"""From logits to tokens (chapter 01).
+
+Greedy rows take the arg-max. The other rows are scaled by their temperature, filtered
+(top-k, top-p, min-p) and sampled with the exponential-race form of the Gumbel-max trick:
+``argmax(p / E)`` with ``E ~ Exp(1)`` picks token i with probability ``p_i``, and needs no
+cumulative sum. A request with a seed draws its noise from its own generator, so its
+tokens do not depend on which other requests share the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling settings for one batch, on the logits' device."""
+
+    temperatures: torch.Tensor  # [B] float, 0 = greedy
+    top_k: torch.Tensor  # [B] int, vocab size when disabled
+    top_p: torch.Tensor  # [B] float, 1 when disabled
+    min_p: torch.Tensor  # [B] float, 0 when disabled
+    generators: list[torch.Generator | None]  # per row; None = the shared generator
+    all_greedy: bool
+    any_filter: bool
+
+
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  min_p: torch.Tensor) -> torch.Tensor:
+    """Set to -inf every logit outside each row's top-k, top-p nucleus and min-p floor."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(logits.shape[-1], device=logits.device)
+    drop = rank[None, :] >= top_k[:, None]
+    probs = sorted_logits.softmax(dim=-1)
+    # Keep a token while the mass *before* it is below top_p: the top token always stays.
+    drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    drop |= probs < min_p[:, None] * probs[:, :1]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def exponential_noise(
+    shape: torch.Size, generators: list, device: torch.device, shared: torch.Generator
+) -> torch.Tensor:
+    """Exp(1) noise: one draw for the whole batch, then seeded rows redrawn from their own."""
+    noise = torch.empty(shape, device=device).exponential_(generator=shared)
+    for row, gen in enumerate(generators):
+        if gen is not None:
+            noise[row].exponential_(generator=gen)
+    return noise
+
+
+class Sampler(nn.Module):
+    def __init__(self, seed: int = 0, device: str | torch.device = "cpu") -> None:
+        super().__init__()
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def forward(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+        logits = logits.float()
+        greedy = logits.argmax(dim=-1)
+        if params.all_greedy:
+            return greedy
+        temps = params.temperatures
+        scaled = logits / torch.where(temps > 0, temps, 1.0)[:, None]
+        if params.any_filter:
+            scaled = filter_logits(scaled, params.top_k, params.top_p, params.min_p)
+        probs = scaled.softmax(dim=-1)
+        noise = exponential_noise(probs.shape, params.generators, probs.device, self.generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(temps > 0, sampled, greedy)

@@ -1,0 +1,26 @@
+"""Architecture name (``config.json``'s ``architectures[0]``) -> model class."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from nanovllm.models.llama import LlamaForCausalLM
+from nanovllm.models.qwen3 import Qwen3ForCausalLM
+
+_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    try:
+        return _REGISTRY[architecture]
+    except KeyError:
+        raise ValueError(
+            f"unsupported architecture {architecture!r}; nanovllm supports {supported_architectures()}"
+        ) from None
