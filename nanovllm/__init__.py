@@ -20,5 +20,12 @@ def smollm2_path(dtype: str = "float32"):
     return _path(dtype)
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig", "smollm2_path"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "EngineConfig",
+    "smollm2_path",
+]
 __version__ = "0.1.0"

@@ -62,7 +62,8 @@ class EngineConfig:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
-                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
             )
         if not os.path.isfile(os.path.join(str(self.model), "config.json")):
             raise ValueError(

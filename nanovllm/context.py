@@ -6,9 +6,9 @@ layer reads the current step's slot mapping and block tables from here instead.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 

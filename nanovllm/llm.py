@@ -1,13 +1,14 @@
 """``LLM``: the offline API, shaped like vLLM's (chapter 00).
 
-    llm = LLM(path)
-    outputs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
-    print(outputs[0].text)
+llm = LLM(path)
+outputs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+print(outputs[0].text)
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence as Seq
+from collections.abc import Sequence as Seq
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -84,7 +85,9 @@ def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
     return prompts
 
 
-def _as_params_list(params: SamplingParams | Seq[SamplingParams] | None, n: int) -> list[SamplingParams]:
+def _as_params_list(
+    params: SamplingParams | Seq[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
     if params is None:
         return [SamplingParams() for _ in range(n)]
     if isinstance(params, SamplingParams):

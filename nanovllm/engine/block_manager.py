@@ -135,8 +135,10 @@ class BlockManager:
                 self.hash_to_block[h] = block.block_id
 
     def free(self, seq: Sequence) -> None:
-        """Release ``seq``'s blocks and reset its progress to zero tokens. Blocks with a hash stay findable until recycled; the
-        tail of a sequence is queued for recycling before its (more shareable) head."""
+        """Release ``seq``'s blocks and reset its progress to zero tokens.
+
+        Blocks with a hash stay findable until recycled; the tail of a sequence is queued
+        for recycling before its (more shareable) head."""
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1

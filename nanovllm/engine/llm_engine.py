@@ -37,10 +37,14 @@ class LLMEngine:
         self.model_config = ModelConfig.from_pretrained(config.model)
         get_model_class(self.model_config.architecture)  # fail early on unsupported models
         if config.max_model_len is None:
-            config.max_model_len = min(self.model_config.max_position_embeddings, MAX_DEFAULT_MODEL_LEN)
+            config.max_model_len = min(
+                self.model_config.max_position_embeddings, MAX_DEFAULT_MODEL_LEN
+            )
         if config.max_model_len > self.model_config.max_position_embeddings:
-            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
-                             f"max_position_embeddings {self.model_config.max_position_embeddings}")
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the model's "
+                f"max_position_embeddings {self.model_config.max_position_embeddings}"
+            )
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -68,21 +72,26 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         return None, token_ids
 
-    def make_sequence(self, prompt: str | list[int], params: SamplingParams,
-                      request_id: str | None = None) -> Sequence:
+    def make_sequence(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> Sequence:
         """Validate one request and wrap it in a Sequence (nothing enters the engine yet)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
         text, token_ids = self.tokenize(prompt)
         limit = self.config.max_model_len
         if len(token_ids) >= limit:
-            raise ValueError(f"prompt has {len(token_ids)} tokens but max_model_len is {limit}; "
-                             "it must leave room for at least one new token")
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens but max_model_len is {limit}; "
+                "it must leave room for at least one new token"
+            )
         longest = min(len(token_ids) + params.max_tokens, limit)
         capacity = self.block_manager.num_blocks * self.config.block_size
         if longest > capacity:
-            raise ValueError(f"a request of up to {longest} tokens cannot fit in the KV cache "
-                             f"({capacity} tokens); raise the KV budget or lower max_tokens")
+            raise ValueError(
+                f"a request of up to {longest} tokens cannot fit in the KV cache "
+                f"({capacity} tokens); raise the KV budget or lower max_tokens"
+            )
         if request_id is not None and request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         return Sequence(token_ids, params, request_id, text)
@@ -91,8 +100,9 @@ class LLMEngine:
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams,
-                    request_id: str | None = None) -> str:
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
         seq = self.make_sequence(prompt, params, request_id)
         self.add_sequence(seq)
         return seq.request_id
@@ -139,14 +149,17 @@ class LLMEngine:
             return "stop"
         if params.stop and self.tokenizer is not None and self._hits_stop_string(seq):
             return "stop"
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+        if (
+            seq.num_output_tokens >= params.max_tokens
+            or seq.num_tokens >= self.config.max_model_len
+        ):
             return "length"
         return None
 
     def _hits_stop_string(self, seq: Sequence) -> bool:
         longest = max(len(s) for s in seq.params.stop)
         # A stop string spans at most `longest` tokens; decode a little more for safety.
-        tail = self.tokenizer.decode(seq.output_token_ids[-(longest + 4):])
+        tail = self.tokenizer.decode(seq.output_token_ids[-(longest + 4) :])
         return any(s in tail for s in seq.params.stop)
 
     def output(self, seq: Sequence) -> RequestOutput:
@@ -157,5 +170,11 @@ class LLMEngine:
                 if s in text:
                     text = text[: text.index(s)]
         completion = CompletionOutput(0, text, token_ids, seq.finish_reason)
-        return RequestOutput(seq.request_id, seq.prompt, seq.token_ids[: seq.num_prompt_tokens],
-                             [completion], seq.is_finished, seq.metrics)
+        return RequestOutput(
+            seq.request_id,
+            seq.prompt,
+            seq.token_ids[: seq.num_prompt_tokens],
+            [completion],
+            seq.is_finished,
+            seq.metrics,
+        )

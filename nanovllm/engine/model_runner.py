@@ -132,8 +132,14 @@ class ModelRunner:
             seq_lens_k_host=lens_k,
         )
         as_int64 = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731
-        return PreparedBatch(as_int64(input_ids), as_int64(positions), meta,
-                             as_int64(sample_from), sample_seqs, logit_rows)
+        return PreparedBatch(
+            as_int64(input_ids),
+            as_int64(positions),
+            meta,
+            as_int64(sample_from),
+            sample_seqs,
+            logit_rows,
+        )
 
     def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         vocab = self.model_config.vocab_size

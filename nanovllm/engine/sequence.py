@@ -26,8 +26,13 @@ class Sequence:
 
     _ids = itertools.count()
 
-    def __init__(self, token_ids: list[int], params: SamplingParams,
-                 request_id: str | None = None, prompt: str | None = None) -> None:
+    def __init__(
+        self,
+        token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        prompt: str | None = None,
+    ) -> None:
         self.seq_id = next(Sequence._ids)
         self.request_id = request_id if request_id is not None else str(self.seq_id)
         self.prompt = prompt
@@ -62,5 +67,7 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     def __repr__(self) -> str:
-        return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, "
-                f"computed={self.num_computed_tokens}, {self.status.name})")
+        return (
+            f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, {self.status.name})"
+        )

@@ -31,8 +31,16 @@ def _triton_backend() -> SimpleNamespace:
         nd = meta.num_decodes
         if nd == len(meta.seq_lens_k_host):
             return decode_attention(q, k_cache, v_cache, meta.seq_lens_k, meta.block_tables, scale)
-        return prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens_k,
-                                 meta.block_tables, scale, meta.max_seqlen_q)
+        return prefill_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.cu_seqlens_q,
+            meta.seq_lens_k,
+            meta.block_tables,
+            scale,
+            meta.max_seqlen_q,
+        )
 
     return SimpleNamespace(name="triton", store_kv=store_kv, attend=attend)
 

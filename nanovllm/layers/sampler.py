@@ -28,8 +28,9 @@ class SamplingTensors:
     any_filter: bool
 
 
-def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                  min_p: torch.Tensor) -> torch.Tensor:
+def filter_logits(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
     """Set to -inf every logit outside each row's top-k, top-p nucleus and min-p floor."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     rank = torch.arange(logits.shape[-1], device=logits.device)

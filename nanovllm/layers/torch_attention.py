@@ -16,8 +16,13 @@ import torch.nn.functional as F
 from nanovllm.context import AttentionMetadata
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """Write each new token's key and value into its slot; slot -1 means skip."""
     keep = slot_mapping >= 0
     if not bool(keep.all()):
@@ -33,7 +38,9 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
     return cache[blocks].flatten(0, 1)[:length]
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Attention of q [Lq, H, d] over k, v [Lk, Hkv, d], where the queries are the *last*
     Lq of the Lk positions: query i sees keys 0 .. Lk - Lq + i."""
     lq, lk = q.shape[0], k.shape[0]
@@ -46,8 +53,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return out.transpose(0, 1)
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """One query per sequence, all sequences at once: gather, pad, mask, attend."""
     block_size = k_cache.shape[1]
     max_len = int(seq_lens.max())
@@ -61,8 +74,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out.squeeze(2)
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
     """Attention for a packed batch: decodes batched together, then each prefill chunk."""
     out = torch.empty_like(q)
     nd = meta.num_decodes

@@ -35,7 +35,9 @@ class ModelConfig:
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         archs = cfg.get("architectures") or ["<missing>"]
         rope = dict(cfg.get("rope_parameters") or {})
-        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        scaling = cfg.get("rope_scaling") or (
+            rope if rope.get("rope_type", "default") != "default" else None
+        )
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         heads = cfg["num_attention_heads"]

