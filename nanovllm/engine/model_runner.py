@@ -14,6 +14,7 @@ import torch
 
 from nanovllm.config import EngineConfig
 from nanovllm.context import AttentionMetadata, attention_metadata
+from nanovllm.engine.cuda_graphs import DecodeGraphs
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention, select_backend
@@ -45,10 +46,27 @@ class ModelRunner:
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attention_layers:
             layer.backend = self.backend
+        if self.device.type == "cuda":
+            self._warm_up()  # measures peak activation memory before sizing the KV cache
         self.num_kv_blocks = self._kv_budget_in_blocks()
         self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
         self.sampler = Sampler(config.seed, self.device)
         self._generators: dict[int, torch.Generator] = {}
+        self.graphs = None
+        if (
+            self.device.type == "cuda"
+            and not config.enforce_eager
+            and self.backend.name == "triton"
+        ):
+            max_blocks = -(-config.max_model_len // self.block_size)
+            self.graphs = DecodeGraphs(
+                self.model,
+                config.max_num_seqs,
+                max_blocks,
+                model_config.hidden_size,
+                self.device,
+                self.dtype,
+            )
 
     # -- setup ---------------------------------------------------------------------------
     def _build_model(self) -> torch.nn.Module:
@@ -69,6 +87,16 @@ class ModelRunner:
                 module.cos, module.sin = module.cos.float(), module.sin.float()
         return model.eval()
 
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """One forward pass at the largest step size, without a cache, to size activations."""
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n = min(self.config.max_num_batched_tokens, self.config.max_model_len)
+        ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+        hidden = self.model(ids, torch.arange(n, device=self.device))
+        self.model.compute_logits(hidden[: self.config.max_num_seqs])
+        torch.cuda.synchronize(self.device)
+
     def kv_bytes_per_block(self) -> int:
         per_token = self.model_config.kv_bytes_per_token(self.dtype.itemsize)
         return per_token * self.block_size
@@ -79,9 +107,11 @@ class ModelRunner:
         if self.config.kv_cache_memory is not None:
             budget = self.config.kv_cache_memory
         elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            budget = free - (1 - self.config.gpu_memory_utilization) * total
+            free, total = torch.cuda.mem_get_info(self.device)
+            stats = torch.cuda.memory_stats(self.device)
+            # Room the activations took during warm-up must stay free for real steps.
+            activations = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
+            budget = free - (1 - self.config.gpu_memory_utilization) * total - activations
         else:
             budget = CPU_KV_CACHE_BYTES
         blocks = int(budget // self.kv_bytes_per_block())
@@ -119,9 +149,9 @@ class ModelRunner:
                 sample_seqs.append(seq)
         width = max(len(t) for t in tables)
         padded = [t + [-1] * (width - len(t)) for t in tables]
-        as_int32 = lambda x: torch.tensor(x, dtype=torch.int32, device=self.device)  # noqa: E731
+        as_int32 = lambda x: self._to_device(x, torch.int32)  # noqa: E731
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
+            slot_mapping=self._to_device(slots, torch.int64),
             cu_seqlens_q=as_int32(cu_q),
             seq_lens_k=as_int32(lens_k),
             block_tables=as_int32(padded),
@@ -131,7 +161,7 @@ class ModelRunner:
             cu_seqlens_q_host=cu_q,
             seq_lens_k_host=lens_k,
         )
-        as_int64 = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731
+        as_int64 = lambda x: self._to_device(x, torch.int64)  # noqa: E731
         return PreparedBatch(
             as_int64(input_ids),
             as_int64(positions),
@@ -141,10 +171,16 @@ class ModelRunner:
             logit_rows,
         )
 
+    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """Host list -> device tensor; on a GPU through pinned memory, without blocking."""
+        if self.device.type == "cpu":
+            return torch.tensor(values, dtype=dtype)
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
+
     def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         vocab = self.model_config.vocab_size
         params = [s.params for s in seqs]
-        to = lambda x, dt: torch.tensor(x, dtype=dt, device=self.device)  # noqa: E731
+        to = self._to_device
         return SamplingTensors(
             temperatures=to([p.temperature for p in params], torch.float32),
             top_k=to([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64),
@@ -171,8 +207,15 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> list[int | None]:
         """One forward pass; the sampled token of each sequence, or None mid-prompt."""
         step = self.prepare(batch)
-        with attention_metadata(step.meta):
-            hidden = self.model(step.input_ids, step.positions)
+        if (
+            self.graphs is not None
+            and step.meta.num_decodes == len(batch)
+            and self.graphs.can_run(len(batch))
+        ):
+            hidden = self.graphs.run(step.input_ids, step.positions, step.meta)
+        else:
+            with attention_metadata(step.meta):
+                hidden = self.model(step.input_ids, step.positions)
         if not step.sample_seqs:
             return [None] * len(batch)
         logits = self.model.compute_logits(hidden[step.sample_indices])

@@ -28,19 +28,27 @@ def _triton_backend() -> SimpleNamespace:
     from nanovllm.kernels.store_kv import store_kv
 
     def attend(q, k_cache, v_cache, meta, scale):
-        nd = meta.num_decodes
+        # Decodes (packed first, one token each) take the decode kernel, the rest the
+        # prefill kernel, whose query offsets are shifted past the decodes.
+        nd, tables, lens = meta.num_decodes, meta.block_tables, meta.seq_lens_k
         if nd == len(meta.seq_lens_k_host):
-            return decode_attention(q, k_cache, v_cache, meta.seq_lens_k, meta.block_tables, scale)
-        return prefill_attention(
-            q,
+            return decode_attention(q, k_cache, v_cache, lens, tables, scale)
+        out = torch.empty_like(q)
+        if nd:
+            out[:nd] = decode_attention(q[:nd], k_cache, v_cache, lens[:nd], tables[:nd], scale)
+        cu_q = meta.cu_seqlens_q[nd:] - nd
+        prefill_attention(
+            q[nd:],
             k_cache,
             v_cache,
-            meta.cu_seqlens_q,
-            meta.seq_lens_k,
-            meta.block_tables,
+            cu_q,
+            lens[nd:],
+            tables[nd:],
             scale,
             meta.max_seqlen_q,
+            out=out[nd:],
         )
+        return out
 
     return SimpleNamespace(name="triton", store_kv=store_kv, attend=attend)
 

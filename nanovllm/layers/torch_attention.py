@@ -46,10 +46,12 @@ def causal_attention(
     lq, lk = q.shape[0], k.shape[0]
     q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
     mask = None
-    if lq > 1:
+    if 1 < lq < lk:  # a chunk after a cached prefix: the causal diagonal is offset
         rows = torch.arange(lk - lq, lk, device=q.device)[:, None]
         mask = torch.arange(lk, device=q.device)[None, :] <= rows
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=1 < lq == lk, scale=scale, enable_gqa=True
+    )
     return out.transpose(0, 1)
 
 

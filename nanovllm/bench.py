@@ -1,0 +1,249 @@
+"""``python -m nanovllm.bench``: output tokens/s of nanovllm against transformers (chapter 11).
+
+Two workloads, both with fixed output lengths (``ignore_eos``), so that the number of
+generated tokens is known in advance and speed does not depend on weight values:
+
+- ``nano-vllm`` (default on a GPU): 256 requests, prompt lengths uniform in 100..1024 with
+  token ids in 0..10000, output lengths uniform in 100..1024, seed 0 -> 133,966 output
+  tokens. The workload nano-vllm publishes numbers for.
+- ``cpu`` (default on a CPU): 32 requests of 64..256 prompt tokens and 64..128 new tokens.
+
+``--peer hf`` runs transformers on the same requests in the same process: its continuous
+batching on a GPU, its padded batched ``generate`` on a CPU. Its throughput counts only
+the requested tokens, not the padding it computes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.configs import SHIPPED, config_path
+from nanovllm.models import ModelConfig
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def make_workload(name: str, num_requests: int | None = None, seed: int = 0) -> Workload:
+    rng = random.Random(seed)
+    if name == "nano-vllm":
+        n, prompt_range, output_range = num_requests or 256, (100, 1024), (100, 1024)
+    elif name == "cpu":
+        n, prompt_range, output_range = num_requests or 32, (64, 256), (64, 128)
+    else:
+        raise ValueError(f"unknown workload {name!r}")
+    # Same draw order as nano-vllm's bench.py, so seed 0 gives its exact requests.
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(*prompt_range))] for _ in range(n)]
+    output_lens = [rng.randint(*output_range) for _ in range(n)]
+    return Workload(prompts, output_lens)
+
+
+def resolve_model(model: str | None, device: str) -> tuple[str, str]:
+    """(folder, load_format): a shipped config name means random weights."""
+    if model is None:
+        if device == "cuda":
+            model = "qwen3-0.6b"
+        else:
+            from nanovllm.weights.smollm2 import smollm2_path
+
+            return str(smollm2_path()), "safetensors"
+    if model in SHIPPED:
+        return str(config_path(model)), "dummy"
+    return model, "safetensors"
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_nanovllm(path: str, load_format: str, work: Workload, **options) -> tuple[float, LLM]:
+    llm = LLM(path, load_format=load_format, **options)
+    params = [
+        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in work.output_lens
+    ]
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    sync(llm.config.device)
+    start = time.perf_counter()
+    outs = llm.generate(work.prompts, params, use_tqdm=False)
+    sync(llm.config.device)
+    elapsed = time.perf_counter() - start
+    assert sum(len(o.token_ids) for o in outs) == work.output_tokens
+    return elapsed, llm
+
+
+def _hf_model(path: str, load_format: str, dtype: torch.dtype, device: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if load_format == "dummy":
+        config = AutoConfig.from_pretrained(path)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model.to(device).eval()
+
+
+@torch.inference_mode()
+def run_hf_padded(path: str, load_format: str, work: Workload, dtype, device: str) -> float:
+    """transformers' batched generate: left-padded prompts, all run to the longest output."""
+    model = _hf_model(path, load_format, dtype, device)
+    width = max(map(len, work.prompts))
+    ids = torch.zeros(len(work.prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(work.prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    longest = max(work.output_lens)
+    start = time.perf_counter()
+    model.generate(
+        ids.to(device),
+        attention_mask=mask.to(device),
+        do_sample=True,
+        temperature=0.6,
+        max_new_tokens=longest,
+        min_new_tokens=longest,
+        pad_token_id=0,
+    )
+    sync(device)
+    return time.perf_counter() - start
+
+
+@torch.inference_mode()
+def run_hf_continuous(path: str, load_format: str, work: Workload, dtype, device: str) -> float:
+    """transformers' continuous batching (paged attention), one request per prompt."""
+    from transformers import GenerationConfig
+
+    model = _hf_model(path, load_format, dtype, device)
+    config = GenerationConfig(
+        do_sample=True,
+        temperature=0.6,
+        max_new_tokens=max(work.output_lens),
+        eos_token_id=-1,
+        pad_token_id=0,
+    )
+    with model.continuous_batching_context_manager(generation_config=config) as manager:
+        start = time.perf_counter()
+        for i, (p, n) in enumerate(zip(work.prompts, work.output_lens)):
+            manager.add_request(p, request_id=f"r{i}", max_new_tokens=n)
+        for _ in range(len(work.prompts)):
+            if manager.get_result(timeout=600) is None:
+                raise RuntimeError("transformers' continuous batching returned no result")
+        elapsed = time.perf_counter() - start
+    return elapsed
+
+
+def copy_bandwidth(device: str) -> float:
+    """Measured device memory bandwidth in bytes/s (bytes read + written by a large copy)."""
+    src = torch.empty(1 << 28, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync(device)
+    times = []
+    for _ in range(10):
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return 2 * src.numel() * src.element_size() / sorted(times)[len(times) // 2]
+
+
+def bandwidth_bound_seconds(
+    work: Workload, cfg: ModelConfig, weight_bytes: int, elem: int, bandwidth: float
+) -> float:
+    """Least time to run the workload if every decode step must read all weights once and
+    every sequence's KV cache so far, with all requests decoding together."""
+    kv_token_reads = sum(
+        p * n + n * (n - 1) // 2 for p, n in zip(map(len, work.prompts), work.output_lens)
+    )
+    total = kv_token_reads * cfg.kv_bytes_per_token(elem) + max(work.output_lens) * weight_bytes
+    return total / bandwidth
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="nanovllm throughput benchmark")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help=f"a model folder or a shipped config ({', '.join(SHIPPED)}) for random weights",
+    )
+    parser.add_argument("--workload", choices=["nano-vllm", "cpu"], default=None)
+    parser.add_argument("--num-requests", type=int, default=None)
+    parser.add_argument("--peer", choices=["hf", "none"], default="none")
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=None, help="write results as JSON here")
+    args = parser.parse_args()
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    path, load_format = resolve_model(args.model, device)
+    work = make_workload(
+        args.workload or ("nano-vllm" if device == "cuda" else "cpu"), args.num_requests
+    )
+    options = dict(enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs)
+    if args.max_num_batched_tokens:
+        options["max_num_batched_tokens"] = args.max_num_batched_tokens
+    ours, llm = run_nanovllm(path, load_format, work, **options)
+    results = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "model": args.model or path,
+        "requests": len(work.prompts),
+        "output_tokens": work.output_tokens,
+        "nanovllm_seconds": ours,
+        "nanovllm_tok_s": work.output_tokens / ours,
+        "attention_backend": llm.engine.runner.backend.name,
+        "cuda_graphs": bool(getattr(llm.engine.runner, "graphs", None)),
+    }
+    if device == "cuda":
+        bw = copy_bandwidth(device)
+        weight_bytes = sum(
+            p.numel() * p.element_size() for p in llm.engine.runner.model.parameters()
+        )
+        bound = bandwidth_bound_seconds(
+            work, llm.engine.model_config, weight_bytes, llm.config.torch_dtype.itemsize, bw
+        )
+        results.update(
+            copy_bandwidth_gb_s=bw / 1e9,
+            bound_tok_s=work.output_tokens / bound,
+            fraction_of_bound=bound / ours,
+        )
+    del llm
+    if args.peer == "hf":
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        runner = run_hf_continuous if device == "cuda" else run_hf_padded
+        theirs = runner(path, load_format, work, dtype, device)
+        results.update(
+            hf_method=runner.__name__,
+            hf_seconds=theirs,
+            hf_tok_s=work.output_tokens / theirs,
+            speedup=theirs / ours,
+        )
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2))
+    print(
+        "\n".join(
+            f"{k:>22}: {v:.4g}" if isinstance(v, float) else f"{k:>22}: {v}"
+            for k, v in results.items()
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

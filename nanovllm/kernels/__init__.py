@@ -1,0 +1,6 @@
+"""Triton kernels of the engine.
+
+Each module holds one kernel and its Python launcher; each module's docstring names the
+chapter that teaches it. Importing a kernel module needs ``triton``; without it the import
+raises ``ImportError`` and the engine falls back to its pure-PyTorch attention backend.
+"""
