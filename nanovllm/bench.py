@@ -16,8 +16,10 @@ the requested tokens, not the padding it computes.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,6 +149,15 @@ def run_hf_continuous(path: str, load_format: str, work: Workload, dtype, device
     return elapsed
 
 
+def free(llm: LLM) -> None:
+    """Give an engine's GPU memory back before the next engine or the peer starts."""
+    llm.engine.runner.graphs = None
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def copy_bandwidth(device: str) -> float:
     """Measured device memory bandwidth in bytes/s (bytes read + written by a large copy)."""
     src = torch.empty(1 << 28, dtype=torch.float32, device=device).uniform_()
@@ -174,6 +185,61 @@ def bandwidth_bound_seconds(
     return total / bandwidth
 
 
+@torch.inference_mode()
+def decode_step_benchmark(
+    model: str, batches: list[int], context: int, iters: int = 30
+) -> list[dict]:
+    """Time one engine decode step (prepare + forward + sample) eager and with CUDA graphs."""
+    from nanovllm.engine.scheduler import ScheduledBatch
+    from nanovllm.engine.sequence import Sequence
+
+    llm = LLM(
+        str(config_path(model)),
+        load_format="dummy",
+        max_num_seqs=max(batches),
+        max_model_len=context + 64,
+    )
+    engine, runner = llm.engine, llm.engine.runner
+    runner.kv_cache.normal_()  # time on real-looking data, not on whatever memory held
+    rng = random.Random(0)
+    rows = []
+    for size in batches:
+        batch = ScheduledBatch()
+        for _ in range(size):
+            seq = Sequence(
+                [rng.randint(0, 10000) for _ in range(context)],
+                SamplingParams(temperature=0, max_tokens=1),
+            )
+            assert engine.block_manager.allocate(seq, context)
+            seq.num_computed_tokens = context - 1  # the prompt's KV is "already cached"
+            batch.add(seq, 1)
+        graphs, timings = runner.graphs, {}
+        for mode in ("eager", "cuda_graphs"):
+            runner.graphs = graphs if mode == "cuda_graphs" else None
+            for _ in range(3):
+                runner.run(batch)
+            sync(llm.config.device)
+            start = time.perf_counter()
+            for _ in range(iters):
+                runner.run(batch)
+            sync(llm.config.device)
+            timings[mode] = (time.perf_counter() - start) / iters
+        runner.graphs = graphs
+        for seq in batch.seqs:
+            engine.block_manager.free(seq)
+        rows.append(
+            {
+                "batch": size,
+                "context": context,
+                "eager_ms": timings["eager"] * 1e3,
+                "graphs_ms": timings["cuda_graphs"] * 1e3,
+                "speedup": timings["eager"] / timings["cuda_graphs"],
+            }
+        )
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="nanovllm throughput benchmark")
     parser.add_argument(
@@ -188,18 +254,46 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--out", type=Path, default=None, help="write results as JSON here")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument(
+        "--peer-requests",
+        type=int,
+        default=None,
+        help="run the peer (and nanovllm again) on only the first N requests",
+    )
+    parser.add_argument(
+        "--decode-step",
+        action="store_true",
+        help="instead: time decode steps eager vs CUDA graphs (GPU)",
+    )
     args = parser.parse_args()
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.decode_step:
+        rows = decode_step_benchmark(args.model or "qwen3-0.6b", [1, 64, 256], 1024)
+        if args.out:
+            meta = {
+                "device": torch.cuda.get_device_name(),
+                "date": time.strftime("%Y-%m-%d"),
+                "torch": torch.__version__,
+                "command": "python -m nanovllm.bench --decode-step",
+            }
+            args.out.write_text(json.dumps({**meta, "rows": rows}, indent=2))
+        return
     path, load_format = resolve_model(args.model, device)
     work = make_workload(
         args.workload or ("nano-vllm" if device == "cuda" else "cpu"), args.num_requests
     )
-    options = dict(enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs)
+    options = dict(
+        enforce_eager=args.enforce_eager,
+        max_num_seqs=args.max_num_seqs,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+    )
     if args.max_num_batched_tokens:
         options["max_num_batched_tokens"] = args.max_num_batched_tokens
     ours, llm = run_nanovllm(path, load_format, work, **options)
     results = {
+        "command": "python -m nanovllm.bench " + " ".join(sys.argv[1:]),
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "date": time.strftime("%Y-%m-%d"),
         "torch": torch.__version__,
@@ -224,17 +318,32 @@ def main() -> None:
             bound_tok_s=work.output_tokens / bound,
             fraction_of_bound=bound / ours,
         )
-    del llm
+    free(llm)
     if args.peer == "hf":
+        if args.peer_requests:  # the same subset for both engines, so the ratio is fair
+            work = Workload(
+                work.prompts[: args.peer_requests], work.output_lens[: args.peer_requests]
+            )
+            ours, llm = run_nanovllm(path, load_format, work, **options)
+            free(llm)
+            results.update(
+                subset_requests=len(work.prompts),
+                subset_output_tokens=work.output_tokens,
+                nanovllm_subset_tok_s=work.output_tokens / ours,
+            )
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
         runner = run_hf_continuous if device == "cuda" else run_hf_padded
-        theirs = runner(path, load_format, work, dtype, device)
-        results.update(
-            hf_method=runner.__name__,
-            hf_seconds=theirs,
-            hf_tok_s=work.output_tokens / theirs,
-            speedup=theirs / ours,
-        )
+        try:
+            theirs = runner(path, load_format, work, dtype, device)
+        except Exception as err:  # the peer's API moves between releases: report, don't die
+            results.update(hf_method=runner.__name__, hf_error=repr(err))
+        else:
+            results.update(
+                hf_method=runner.__name__,
+                hf_seconds=theirs,
+                hf_tok_s=work.output_tokens / theirs,
+                speedup=theirs / ours,
+            )
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
     print(

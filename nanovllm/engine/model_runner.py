@@ -82,9 +82,6 @@ class ModelRunner:
             load_dummy(model, self.config.seed)
         else:
             load_safetensors(model, self.config.model)
-        for module in model.modules():  # RoPE tables stay fp32 whatever the model dtype
-            if hasattr(module, "cos"):
-                module.cos, module.sin = module.cos.float(), module.sin.float()
         return model.eval()
 
     @torch.inference_mode()

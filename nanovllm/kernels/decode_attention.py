@@ -1,0 +1,317 @@
+"""Paged decode attention in Triton: GQA-aware and split-KV (flash-decoding).
+
+In a decode step every sequence brings one new query token, whose key and value are already in
+the paged cache (``store_kv``). Attention then reads the *whole* cached history of each sequence
+once, so the kernel is bound by memory bandwidth: the work is to read each KV byte exactly once,
+from wherever the block table scattered it, and to keep enough reads in flight to fill the GPU.
+
+Algorithm (one program per ``(sequence, kv head, split)``):
+
+1. **GQA tile.** The ``group = num_heads // num_kv_heads`` query heads that share one KV head are
+   loaded together as a ``[group, head_dim]`` tile (padded to 16 rows, the smallest ``tl.dot``
+   shape). Each KV block is therefore read once for the whole group, not once per query head.
+2. **Paged gather.** The program walks its key range in tiles of ``BLOCK_N`` tokens; token ``t``
+   lives at block ``block_tables[b, t // block_size]``, row ``t % block_size``. Block-table
+   entries past the sequence's length (``-1`` padding) are never loaded.
+3. **Online softmax.** Scores ``q @ k^T`` (fp32 accumulation) update a running max ``m``, a
+   running sum ``l`` and an unnormalized output ``acc``, the flash-attention recurrence. Scores
+   are kept in base 2 (``scale * log2(e)`` folded into the scale) so ``exp2`` is used throughout.
+4. **Split-KV.** With few sequences, ``batch * num_kv_heads`` programs would leave most SMs idle
+   while each walks a long history. So the key range of each sequence is cut into
+   ``num_splits`` chunks processed by separate programs, each writing its partial ``(m, l, acc)``
+   to fp32 scratch. A second small kernel merges the partials with the log-sum-exp rule
+   ``out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s`` with ``M = max_s m_s``. With one
+   split the first kernel normalizes and writes the output itself.
+
+``num_splits=None`` picks the split count with :func:`choose_num_splits` from shapes only (no
+device synchronization, so the call can be captured in a CUDA graph).
+
+Taught in chapter 05 (``chapters/05_paged_attention_kernel``). This is the ``triton`` attention
+backend's decode path; ``store_kv`` (beside this file) fills the cache it reads.
+
+Runs on a GPU, or on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1`` set before
+``triton`` is imported). The interpreter computes bf16 arithmetic wrongly, so there bf16 tiles are
+upcast to fp32 before ``tl.dot``; on a GPU fp16/bf16 tiles go to the tensor cores as they are
+(``q`` and the softmax weights rounded to the cache dtype, fp32 accumulation, as in
+flash-attention). fp32 caches use exact fp32 dots. ``head_dim`` need not be a power of two.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "nanovllm.kernels.decode_attention needs Triton (`pip install triton`). Without it, use "
+        "the 'torch' attention backend (EngineConfig(attention_backend='torch'))."
+    ) from exc
+
+__all__ = ["decode_attention", "choose_num_splits"]
+
+LOG2E = 1.4426950408889634
+
+# num_splits=None (see choose_num_splits): split only when the batch gives fewer than
+# FULL_PROGRAMS_PER_SM programs per SM; then aim for TARGET_PROGRAMS_PER_SM, never giving a split
+# fewer than MIN_SPLIT_TOKENS keys, and never more than MAX_SPLITS splits. Tuned on an H200
+# (132 SMs) with `python -m nanovllm.kernels.bench_decode --sweep-splits`.
+FULL_PROGRAMS_PER_SM = 2
+TARGET_PROGRAMS_PER_SM = 4
+MIN_SPLIT_TOKENS = 64
+MAX_SPLITS = 32
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, seq_lens_ptr, block_tables_ptr,
+    out_ptr, m_ptr, l_ptr, acc_ptr,
+    qk_scale, num_splits,
+    stride_qb, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_bt,
+    stride_ob, stride_oh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_heads = tl.num_programs(1) * GROUP
+
+    # This split's key range [start, end): a whole number of BLOCK_N tiles, cut per sequence.
+    seq_len = tl.load(seq_lens_ptr + b)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    # The query heads of this KV head's group, as one [GROUP_PAD, D_PAD] tile.
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D_PAD)
+    heads = kv_head * GROUP + g
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :], other=0.0,
+    )
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(k_cache_ptr.dtype.element_ty)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    for tile_start in range(start, end, BLOCK_N):
+        t = tile_start + n
+        t_mask = t < end
+        # Gather: which block holds each token of the tile (padding entries are never read).
+        block = tl.load(block_tables_ptr + b * stride_bt + t // PAGE, mask=t_mask, other=0)
+        block = block.to(tl.int64)
+        row = t % PAGE
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k = tl.load(
+            k_cache_ptr + block[:, None] * stride_kb + row[:, None] * stride_kt
+            + kv_head * stride_kh + d[None, :],
+            mask=kv_mask, other=0.0,
+        )
+        v = tl.load(
+            v_cache_ptr + block[:, None] * stride_vb + row[:, None] * stride_vt
+            + kv_head * stride_vh + d[None, :],
+            mask=kv_mask, other=0.0,
+        )
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+
+        # Online softmax in base 2 over this tile's [GROUP_PAD, BLOCK_N] scores.
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.where(t_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds a valid key
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    if SINGLE_SPLIT:
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # seq_len 0 (padding rows) gives zeros, not NaN
+        out = acc / l_safe[:, None]
+        tl.store(
+            out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty), mask=out_mask,
+        )
+    else:
+        # Partials, fp32: m/l [B, H, num_splits], acc [B, H, num_splits, D_PAD], contiguous.
+        part = (b * num_heads + heads) * num_splits + split
+        tl.store(m_ptr + part, m_i, mask=g_mask)
+        tl.store(l_ptr + part, l_i, mask=g_mask)
+        tl.store(acc_ptr + part[:, None] * D_PAD + d[None, :], acc, mask=out_mask)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    m_ptr, l_ptr, acc_ptr, out_ptr,
+    num_splits,
+    stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, D_PAD)
+    s_mask = s < num_splits
+    part = (b * num_heads + h) * num_splits + s
+
+    m = tl.load(m_ptr + part, mask=s_mask, other=float("-inf"))
+    l = tl.load(l_ptr + part, mask=s_mask, other=0.0)  # noqa: E741
+    acc = tl.load(acc_ptr + part[:, None] * D_PAD + d[None, :], mask=s_mask[:, None], other=0.0)
+
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # all splits empty (seq_len 0)
+    w = tl.exp2(m - m_max)  # empty splits: 2^-inf = 0
+    l_sum = tl.sum(w * l, 0)
+    out = tl.sum(w[:, None] * acc, 0) / tl.where(l_sum > 0.0, l_sum, 1.0)
+    tl.store(
+        out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+        mask=d < HEAD_DIM,
+    )
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return os.cpu_count() or 1  # interpreter: one "SM" per core keeps CPU grids small
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """How many chunks to cut each sequence's keys into (split-KV).
+
+    The grid has ``batch * num_kv_heads * num_splits`` programs. If ``batch * num_kv_heads``
+    already gives every SM ``FULL_PROGRAMS_PER_SM`` programs, splitting only adds partials to
+    write and merge: 1. Otherwise aim for ``TARGET_PROGRAMS_PER_SM * num_sms`` programs, so every
+    SM holds several and memory latency is hidden, but give no split fewer than
+    ``MIN_SPLIT_TOKENS`` of the ``max_seq_len`` keys and make at most ``MAX_SPLITS``.
+    On an H200 (132 SMs), 8 KV heads: batch >= 33 -> 1; batch 16 -> 5; batch 1 at 4096 keys -> 32.
+    """
+    programs = batch * num_kv_heads
+    if programs >= FULL_PROGRAMS_PER_SM * num_sms:
+        return 1
+    wanted = math.ceil(TARGET_PROGRAMS_PER_SM * num_sms / max(programs, 1))
+    return max(1, min(wanted, max_seq_len // MIN_SPLIT_TOKENS, MAX_SPLITS))
+
+
+def _launch_config(head_dim: int, on_gpu: bool) -> tuple[int, int, int]:
+    """(BLOCK_N keys per tile, num_warps, num_stages): fixed, no autotuning."""
+    if not on_gpu:
+        return 32, 4, 1  # interpreter: small tiles keep tests of short sequences cheap
+    return (64, 4, 2) if head_dim <= 128 else (32, 4, 2)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """One query token per sequence attends to its whole paged KV history.
+
+    ``q``: ``[B, num_heads, head_dim]``; ``k_cache``/``v_cache``:
+    ``[num_blocks, block_size, num_kv_heads, head_dim]``; ``seq_lens``: int32 ``[B]``, keys per
+    sequence including the new token; ``block_tables``: int32 ``[B, max_blocks]``, padded with
+    ``-1``; ``scale``: softmax scale, usually ``head_dim ** -0.5``. ``num_splits``: chunks per
+    sequence (split-KV); ``None`` chooses with :func:`choose_num_splits`.
+    Returns ``[B, num_heads, head_dim]`` in ``q``'s dtype. Rows with ``seq_len == 0`` get zeros.
+    """
+    batch, num_heads, head_dim = q.shape
+    _, page, num_kv_heads, cache_dim = k_cache.shape
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} != v_cache {tuple(v_cache.shape)}")
+    if cache_dim != head_dim:
+        raise ValueError(f"q has head_dim {head_dim}, the cache {cache_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if page < 16 or page & (page - 1):
+        raise ValueError(f"block_size must be a power of two >= 16, got {page}")
+    if seq_lens.shape != (batch,) or block_tables.dim() != 2 or block_tables.shape[0] != batch:
+        raise ValueError("seq_lens must be [B] and block_tables [B, max_blocks]")
+    named = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables}
+    for name, t in named.items():
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}'s last dimension must be contiguous")
+    _check_launchable(q)
+
+    out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    on_gpu = q.device.type == "cuda"
+    if num_splits is None:
+        max_len = block_tables.shape[1] * page  # a bound known without a device sync
+        num_splits = choose_num_splits(batch, num_kv_heads, max_len, _num_sms(q.device))
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+
+    group = num_heads // num_kv_heads
+    d_pad = triton.next_power_of_2(head_dim)
+    block_n, num_warps, num_stages = _launch_config(head_dim, on_gpu)
+    single = num_splits == 1
+    if single:
+        m_part = l_part = acc_part = out  # unused by the kernel
+    else:
+        m_part = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        l_part = torch.empty_like(m_part)
+        acc_part = torch.empty(
+            (batch, num_heads, num_splits, d_pad), dtype=torch.float32, device=q.device
+        )
+    # fp32 caches need exact fp32 dots; the interpreter cannot multiply bf16 (see docstring).
+    dot_fp32 = k_cache.dtype == torch.float32 or (k_cache.dtype == torch.bfloat16 and not on_gpu)
+
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, seq_lens, block_tables,
+        out, m_part, l_part, acc_part,
+        scale * LOG2E, num_splits,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, D_PAD=d_pad,
+        PAGE=page, BLOCK_N=block_n,
+        SINGLE_SPLIT=single, DOT_FP32=dot_fp32,
+        PRECISION="ieee" if dot_fp32 else "tf32",  # fp32: exact products; half inputs ignore it
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if not single:
+        _combine_splits_kernel[(batch, num_heads)](
+            m_part, l_part, acc_part, out,
+            num_splits,
+            out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )
+    return out
+
+
+def _check_launchable(t: torch.Tensor) -> None:
+    if t.device.type != "cuda" and type(_decode_split_kernel).__name__ != "InterpretedFunction":
+        raise RuntimeError(
+            "Triton kernels on CPU tensors need the interpreter: set TRITON_INTERPRET=1 before "
+            "triton is first imported, or use the 'torch' attention backend."
+        )

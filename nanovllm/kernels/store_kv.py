@@ -1,0 +1,109 @@
+"""Write the new tokens' keys and values into the paged KV cache (a Triton kernel).
+
+Every forward step produces keys and values for the tokens it just processed. Before attention
+runs they are copied into the paged cache: token ``i`` goes to the flat *slot*
+``slot_mapping[i] = block_id * block_size + row``, i.e. to ``cache[block_id, row]`` for all KV
+heads at once. The block manager chose the slots; this kernel only moves bytes. A slot of ``-1``
+means "skip this token": the rows a CUDA-graph batch is padded with have no place in the cache.
+
+One program handles one token: it loads the token's ``[num_kv_heads, head_dim]`` key and value
+tiles (any row stride, so a slice of a fused QKV projection works without a copy) and stores
+them, cast to the cache's dtype, into the block and row its slot names.
+
+Taught in chapter 05 (``chapters/05_paged_attention_kernel``). This is the ``triton`` attention
+backend's cache-write path; the ``torch`` backend does the same with ``index_copy_``.
+
+Runs on a GPU, or on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1`` set before
+``triton`` is imported).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "nanovllm.kernels.store_kv needs Triton (`pip install triton`). Without it, use the "
+        "'torch' attention backend (EngineConfig(attention_backend='torch'))."
+    ) from exc
+
+__all__ = ["store_kv"]
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kn, stride_kh,  # key: [N, H, D], last dim contiguous
+    stride_vn, stride_vh,  # value: [N, H, D], last dim contiguous
+    stride_cb, stride_ct, stride_ch,  # k_cache: [num_blocks, block_size, H, D]
+    stride_db, stride_dt, stride_dh,  # v_cache: same shape, its own strides
+    block_size,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    H_PAD: tl.constexpr, D_PAD: tl.constexpr,
+):
+    i = tl.program_id(0).to(tl.int64)  # i * row stride may pass 2**31
+    h = tl.arange(0, H_PAD)
+    d = tl.arange(0, D_PAD)
+    # The token's slot, read once per head row: a scalar bool in a mask trips the interpreter.
+    slot = tl.load(slot_ptr + i + h * 0).to(tl.int64)[:, None]  # [H_PAD, 1]
+    block = slot // block_size
+    row = slot % block_size
+    # slot -1 (padding) masks the whole tile: nothing is read or written for this token
+    mask = (slot >= 0) & (h[:, None] < NUM_KV_HEADS) & (d[None, :] < HEAD_DIM)
+
+    k = tl.load(key_ptr + i * stride_kn + h[:, None] * stride_kh + d[None, :], mask=mask)
+    v = tl.load(value_ptr + i * stride_vn + h[:, None] * stride_vh + d[None, :], mask=mask)
+    k_dst = k_cache_ptr + block * stride_cb + row * stride_ct + h[:, None] * stride_ch + d[None, :]
+    v_dst = v_cache_ptr + block * stride_db + row * stride_dt + h[:, None] * stride_dh + d[None, :]
+    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Copy ``key``/``value`` ``[N, num_kv_heads, head_dim]`` into the paged caches, in place.
+
+    ``k_cache``/``v_cache``: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+    ``slot_mapping``: int32/int64 ``[N]``; token ``i`` goes to block ``slot // block_size``,
+    row ``slot % block_size``; ``-1`` skips the token. Values are cast to the cache's dtype.
+    """
+    n, num_kv_heads, head_dim = key.shape
+    _, block_size, cache_heads, cache_dim = k_cache.shape
+    if value.shape != key.shape:
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} differ")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} != v_cache {tuple(v_cache.shape)}")
+    if (cache_heads, cache_dim) != (num_kv_heads, head_dim):
+        raise ValueError(
+            f"key has {num_kv_heads} heads x {head_dim}, cache has {cache_heads} x {cache_dim}"
+        )
+    if slot_mapping.shape != (n,):
+        raise ValueError(f"slot_mapping must be [{n}], got {tuple(slot_mapping.shape)}")
+    for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}'s last dimension must be contiguous")
+    if key.device.type != "cuda" and type(_store_kv_kernel).__name__ != "InterpretedFunction":
+        raise RuntimeError(
+            "Triton kernels on CPU tensors need the interpreter: set TRITON_INTERPRET=1 before "
+            "triton is first imported, or use the 'torch' attention backend."
+        )
+    if n == 0:
+        return
+    _store_kv_kernel[(n,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1),
+        value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_size,
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        H_PAD=triton.next_power_of_2(num_kv_heads), D_PAD=triton.next_power_of_2(head_dim),
+    )
