@@ -125,9 +125,9 @@ def run_hf_padded(path: str, load_format: str, work: Workload, dtype, device: st
     return time.perf_counter() - start
 
 
-@torch.inference_mode()
 def run_hf_continuous(path: str, load_format: str, work: Workload, dtype, device: str) -> float:
-    """transformers' continuous batching (paged attention), one request per prompt."""
+    """transformers' continuous batching (paged attention), one request per prompt. (Not
+    under inference_mode: its generation thread updates tensors created here.)"""
     from transformers import GenerationConfig
 
     model = _hf_model(path, load_format, dtype, device)
@@ -142,17 +142,25 @@ def run_hf_continuous(path: str, load_format: str, work: Workload, dtype, device
         start = time.perf_counter()
         for i, (p, n) in enumerate(zip(work.prompts, work.output_lens)):
             manager.add_request(p, request_id=f"r{i}", max_new_tokens=n)
+        generated = 0
         for _ in range(len(work.prompts)):
-            if manager.get_result(timeout=600) is None:
-                raise RuntimeError("transformers' continuous batching returned no result")
+            result = manager.get_result(timeout=600)
+            if result is None or result.error:
+                raise RuntimeError(f"transformers' continuous batching failed: {result}")
+            generated += len(result.generated_tokens)
         elapsed = time.perf_counter() - start
+    if generated != work.output_tokens:
+        raise RuntimeError(f"transformers generated {generated} tokens, not {work.output_tokens}")
     return elapsed
 
 
 def free(llm: LLM) -> None:
-    """Give an engine's GPU memory back before the next engine or the peer starts."""
-    llm.engine.runner.graphs = None
-    del llm
+    """Give an engine's GPU memory back before the next engine or the peer starts (other
+    references to ``llm`` may live on, so drop the tensors themselves)."""
+    runner = llm.engine.runner
+    runner.graphs = runner.kv_cache = runner.model = None
+    for layer in runner.attention_layers:
+        layer.k_cache = layer.v_cache = torch.empty(0)
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -319,6 +327,7 @@ def main() -> None:
             fraction_of_bound=bound / ours,
         )
     free(llm)
+    report(results, args.out)
     if args.peer == "hf":
         if args.peer_requests:  # the same subset for both engines, so the ratio is fair
             work = Workload(
@@ -344,13 +353,20 @@ def main() -> None:
                 hf_tok_s=work.output_tokens / theirs,
                 speedup=theirs / ours,
             )
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=2))
+    report(results, args.out)
+
+
+def report(results: dict, out: Path | None) -> None:
+    """Print the results (and write them as JSON): called after each stage, so a failing
+    peer never loses our numbers."""
+    if out:
+        out.write_text(json.dumps(results, indent=2))
     print(
         "\n".join(
             f"{k:>22}: {v:.4g}" if isinstance(v, float) else f"{k:>22}: {v}"
             for k, v in results.items()
-        )
+        ),
+        flush=True,
     )
 
 

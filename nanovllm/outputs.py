@@ -1,26 +1,62 @@
-"""What ``LLM.generate`` returns: vLLM-shaped ``RequestOutput`` objects (chapter 00)."""
+"""What the engine hands back (chapter 00; streaming in chapter 10).
+
+``LLM.generate`` returns vLLM-shaped ``RequestOutput`` objects, each with its
+``RequestMetrics``. The async engine (``engine/async_engine.py``) hands out a
+``RequestStream`` per request, which yields ``StreamChunk``s whose text comes from an
+``IncrementalDetokenizer`` running in the consumer's thread.
+"""
 
 from __future__ import annotations
 
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
 class RequestMetrics:
-    """Wall-clock timestamps (``time.perf_counter``) of one request's life."""
+    """Wall-clock timestamps (``time.perf_counter``) and counters of one request's life.
+
+    The latency figures of chapters 06 and 10 are derived from them: queue time, time to
+    first token (TTFT), time per output token (TPOT, the mean gap between tokens after
+    the first) and end-to-end latency. A derived figure is None until its inputs exist.
+    """
 
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
     finished_time: float | None = None
+    num_output_tokens: int = 0
     num_preemptions: int = 0
-    num_cached_prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+
+    @property
+    def queue_time(self) -> float | None:
+        """Arrival -> first scheduled (admitted into a batch)."""
+        return _since(self.arrival_time, self.first_scheduled_time)
 
     @property
     def time_to_first_token(self) -> float | None:
-        if self.first_token_time is None:
+        return _since(self.arrival_time, self.first_token_time)
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        """Mean inter-token latency after the first token (None with fewer than 2 tokens)."""
+        if self.num_output_tokens < 2 or self.last_token_time is None:
             return None
-        return self.first_token_time - self.arrival_time
+        return (self.last_token_time - self.first_token_time) / (self.num_output_tokens - 1)
+
+    @property
+    def e2e_latency(self) -> float | None:
+        """Arrival -> finished (including an abort)."""
+        return _since(self.arrival_time, self.finished_time)
+
+
+def _since(start: float, end: float | None) -> float | None:
+    return None if end is None else end - start
 
 
 @dataclass
@@ -52,3 +88,135 @@ class RequestOutput:
     @property
     def finish_reason(self) -> str | None:
         return self.outputs[0].finish_reason
+
+
+@dataclass
+class StreamChunk:
+    """What a request's stream yields: the tokens (and text) new since the last chunk.
+
+    The last chunk has ``finished=True``, the ``finish_reason`` and the complete
+    ``output``; its text is whatever the final output adds to the text streamed so far
+    (e.g. characters held back while they might have begun a stop string).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    output: RequestOutput | None = field(default=None, repr=False)
+
+
+class IncrementalDetokenizer:
+    """Text deltas for a growing list of token ids, at a cost per call that does not grow
+    with the length of the output (chapter 10).
+
+    Decoding the whole output after every token would cost O(n^2) over a request. Instead
+    each call decodes only a short window: the tokens emitted by the previous call (as
+    context, because a token's text can depend on its neighbour, e.g. a leading space) plus
+    the new ones, and returns the difference. A window whose text ends in U+FFFD is an
+    incomplete UTF-8 character: nothing is emitted until the next token completes it.
+    With stop strings, the last ``len(longest stop) - 1`` characters are held back, so
+    that streamed text never shows the beginning of a stop string the output then cuts.
+    """
+
+    def __init__(self, tokenizer: Any, stop: list[str] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.hold_back = max((len(s) for s in stop), default=1) - 1
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the context window
+        self._read = 0  # tokens whose text has been decoded
+        self._pending = ""  # decoded but held back
+        self._emitted: list[str] = []
+        self._emitted_len = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def push(self, token_ids: list[int]) -> str:
+        """Take the new token ids; return the text they add (possibly empty)."""
+        if self.tokenizer is None or not token_ids:
+            return ""
+        self._ids.extend(token_ids)
+        before = self._decode(self._ids[self._prefix : self._read])
+        after = self._decode(self._ids[self._prefix :])
+        if after.endswith("\ufffd"):
+            return ""  # wait for the rest of the character
+        self._prefix, self._read = self._read, len(self._ids)
+        self._pending += after[len(before) :]
+        cut = max(len(self._pending) - self.hold_back, 0)
+        out, self._pending = self._pending[:cut], self._pending[cut:]
+        self._emitted.append(out)
+        self._emitted_len += len(out)
+        return out
+
+    def finish(self, final_text: str) -> str:
+        """The rest of ``final_text`` after what was streamed (the output is authoritative)."""
+        if not final_text.startswith("".join(self._emitted)):
+            return ""  # a tokenizer whose text is not a concatenation; nothing to add
+        return final_text[self._emitted_len :]
+
+
+# What the engine thread sends a stream: (new token ids, final output or None, error or None)
+Item = tuple[list[int], RequestOutput | None, BaseException | None]
+
+
+class RequestStream:
+    """One request's output: iterate it for ``StreamChunk``s, or call ``result()``.
+
+    The engine thread calls ``push``/``end``; one consumer thread reads. Items travel
+    through a ``SimpleQueue`` (or, via ``sink``, an asyncio queue), in order.
+    """
+
+    def __init__(self, request_id: str, tokenizer: Any, stop: list[str]) -> None:
+        self.request_id = request_id
+        self._items: queue.SimpleQueue[Item] = queue.SimpleQueue()
+        self.sink: Callable[[Item], None] = self._items.put  # the asyncio bridge replaces it
+        self._done = threading.Event()
+        self._output: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._detokenizer = IncrementalDetokenizer(tokenizer, stop)
+        self.num_sent = 0  # output tokens handed out so far (engine thread only)
+        self._read_to_end = False  # a second iteration then ends at once instead of blocking
+
+    # -- engine-thread side ------------------------------------------------------------
+    def push(self, token_ids: list[int]) -> None:
+        self.sink((token_ids, None, None))
+
+    def end(
+        self,
+        token_ids: Iterable[int] = (),
+        output: RequestOutput | None = None,
+        error: BaseException | None = None,
+    ) -> None:
+        self._output, self._error = output, error  # set before waking anyone up
+        self._done.set()
+        self.sink((list(token_ids), output, error))
+
+    # -- consumer side -------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        """The final output (finish_reason "stop", "length" or "abort"); raises
+        ``EngineError`` if the engine failed, ``TimeoutError`` after ``timeout`` seconds."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.request_id!r} unfinished after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._output
+
+    def to_chunk(self, item: Item) -> StreamChunk:
+        token_ids, output, error = item
+        self._read_to_end = output is not None or error is not None
+        if error is not None:
+            raise error
+        if output is None:
+            return StreamChunk(self.request_id, token_ids, self._detokenizer.push(token_ids))
+        text = self._detokenizer.finish(output.text)  # the final text is cut at a stop string
+        return StreamChunk(self.request_id, token_ids, text, True, output.finish_reason, output)
+
+    def __iter__(self) -> Iterator[StreamChunk]:
+        while not self._read_to_end:
+            yield self.to_chunk(self._items.get())

@@ -17,26 +17,32 @@ def llm(smollm2_dir):
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 
 
-@pytest.mark.parametrize("prompt, message", [
-    ("", "empty"),
-    ([], "empty"),
-    ("word " * 200, "max_model_len"),
-    ([1, 2, 10**9], "token ids"),
-])
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        ("", "empty"),
+        ([], "empty"),
+        ("word " * 200, "max_model_len"),
+        ([1, 2, 10**9], "token ids"),
+    ],
+)
 def test_bad_prompt(llm, prompt, message):
     with pytest.raises(ValueError, match=message):
         llm.generate([prompt], GREEDY, use_tqdm=False)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"max_tokens": -3}, "max_tokens"),
-    ({"temperature": -0.5}, "temperature"),
-    ({"top_p": 0.0}, "top_p"),
-    ({"top_p": 1.5}, "top_p"),
-    ({"top_k": 0}, "top_k"),
-    ({"min_p": 2.0}, "min_p"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -3}, "max_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"min_p": 2.0}, "min_p"),
+    ],
+)
 def test_bad_sampling_params(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
@@ -48,9 +54,18 @@ def test_unknown_model_path(tmp_path):
 
 
 def test_unsupported_architecture(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["GPT2LMHeadModel"], "vocab_size": 10, "hidden_size": 8,
-        "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["GPT2LMHeadModel"],
+                "vocab_size": 10,
+                "hidden_size": 8,
+                "intermediate_size": 16,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+            }
+        )
+    )
     with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
         LLM(tmp_path)
 

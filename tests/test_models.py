@@ -28,13 +28,23 @@ CASES = {
 def _tiny_hf_model(arch: str, heads: int, kv_heads: int, head_dim: int, hidden: int, path):
     import transformers
 
-    config_cls = {"LlamaForCausalLM": transformers.LlamaConfig,
-                  "Qwen3ForCausalLM": transformers.Qwen3Config}[arch]
+    config_cls = {
+        "LlamaForCausalLM": transformers.LlamaConfig,
+        "Qwen3ForCausalLM": transformers.Qwen3Config,
+    }[arch]
     config = config_cls(
-        vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-        max_position_embeddings=256, tie_word_embeddings=(arch == "LlamaForCausalLM"),
-        eos_token_id=None, bos_token_id=None, pad_token_id=None,
+        vocab_size=512,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=256,
+        tie_word_embeddings=(arch == "LlamaForCausalLM"),
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
     )
     torch.manual_seed(0)
     model = getattr(transformers, arch)(config).eval()
@@ -72,6 +82,10 @@ def test_engine_greedy_matches_transformers(tiny):
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         with torch.no_grad():
-            expected = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                                   attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-        assert out.token_ids == expected[0, len(prompt):].tolist()
+            expected = hf.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=12,
+                do_sample=False,
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            )
+        assert out.token_ids == expected[0, len(prompt) :].tolist()

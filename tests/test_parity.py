@@ -38,9 +38,14 @@ def hf_greedy(smollm2_dir):
     for prompt in PROMPTS:
         ids = torch.tensor([tok.encode(prompt)])
         with torch.inference_mode():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                                 do_sample=False, pad_token_id=tok.eos_token_id)
-        outputs.append(out[0, ids.shape[1]:].tolist())
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                pad_token_id=tok.eos_token_id,
+            )
+        outputs.append(out[0, ids.shape[1] :].tolist())
     return outputs
 
 

@@ -11,10 +11,15 @@ from nanovllm.layers.sampler import Sampler, SamplingTensors, filter_logits
 
 def _tensors(n, temperature=1.0, top_k=None, top_p=1.0, min_p=0.0, vocab=6, generators=None):
     full = lambda v, dt: torch.full((n,), v, dtype=dt)  # noqa: E731
-    return SamplingTensors(full(temperature, torch.float32), full(top_k or vocab, torch.int64),
-                           full(top_p, torch.float32), full(min_p, torch.float32),
-                           generators or [None] * n, temperature == 0,
-                           top_k is not None or top_p < 1 or min_p > 0)
+    return SamplingTensors(
+        full(temperature, torch.float32),
+        full(top_k or vocab, torch.int64),
+        full(top_p, torch.float32),
+        full(min_p, torch.float32),
+        generators or [None] * n,
+        temperature == 0,
+        top_k is not None or top_p < 1 or min_p > 0,
+    )
 
 
 def test_filters_keep_the_right_tokens():
@@ -57,32 +62,42 @@ def test_seeded_request_is_reproducible_whatever_the_batch(llm):
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16)
     alone = llm.generate(["Tell me a story"], seeded, use_tqdm=False)[0].token_ids
     other = SamplingParams(temperature=1.0, max_tokens=16)
-    batch = llm.generate(["Hello", "Tell me a story", "Why is the sky blue?"],
-                         [other, seeded, other], use_tqdm=False)
+    batch = llm.generate(
+        ["Hello", "Tell me a story", "Why is the sky blue?"], [other, seeded, other], use_tqdm=False
+    )
     assert batch[1].token_ids == alone
     different = SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=16)
     assert llm.generate(["Tell me a story"], different, use_tqdm=False)[0].token_ids != alone
 
 
 def test_stop_token_ids_and_max_tokens(llm):
-    greedy = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=10),
-                          use_tqdm=False)[0]
+    greedy = llm.generate(
+        "The capital of France is", SamplingParams(temperature=0, max_tokens=10), use_tqdm=False
+    )[0]
     assert len(greedy.token_ids) == 10 and greedy.finish_reason == "length"
     stop_at = greedy.token_ids[3]
-    stopped = llm.generate("The capital of France is",
-                           SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_at]),
-                           use_tqdm=False)[0]
+    stopped = llm.generate(
+        "The capital of France is",
+        SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_at]),
+        use_tqdm=False,
+    )[0]
     assert stopped.token_ids == greedy.token_ids[: greedy.token_ids.index(stop_at) + 1]
     assert stopped.finish_reason == "stop"
 
 
 def test_stop_string_is_cut_from_the_text(llm):
-    out = llm.generate("def fibonacci(n):", SamplingParams(temperature=0, max_tokens=40, stop=["return"]),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        "def fibonacci(n):",
+        SamplingParams(temperature=0, max_tokens=40, stop=["return"]),
+        use_tqdm=False,
+    )[0]
     assert out.finish_reason == "stop" and "return" not in out.text
 
 
 def test_chat_uses_the_template(llm):
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0]
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=20),
+        use_tqdm=False,
+    )[0]
     assert "Paris" in out.text and out.finish_reason == "stop"

@@ -1,7 +1,11 @@
 """The step loop: schedule -> run the model -> apply the new tokens (chapters 00 and 06).
 
 ``add_request`` validates a request completely before it enters the engine, so bad input
-raises ``ValueError`` and never disturbs the requests already inside.
+raises ``ValueError`` and never disturbs the requests already inside. ``make_sequence``
+(validation) reads only settings fixed at start-up, so other threads may call it; every
+other method changes engine state and belongs to one thread at a time (see
+``async_engine.py``, chapter 10). Each step is measured into ``stats``; set
+``timeline = TimelineRecorder()`` to also record who ran what (``metrics.py``).
 """
 
 from __future__ import annotations
@@ -11,8 +15,9 @@ import time
 
 from nanovllm.config import EngineConfig
 from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.metrics import EngineStats, TimelineRecorder
 from nanovllm.engine.model_runner import ModelRunner
-from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.models import ModelConfig, get_model_class
 from nanovllm.outputs import CompletionOutput, RequestOutput
@@ -55,6 +60,8 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config, self.block_manager)
         self.requests: dict[str, Sequence] = {}
+        self.stats = EngineStats()
+        self.timeline: TimelineRecorder | None = None  # off by default: costs nothing
 
     # -- requests ------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -92,11 +99,18 @@ class LLMEngine:
                 f"a request of up to {longest} tokens cannot fit in the KV cache "
                 f"({capacity} tokens); raise the KV budget or lower max_tokens"
             )
-        if request_id is not None and request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        budget = self.config.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill and longest > budget:
+            # unchunked, a (re)computed prefill must fit one step, or it would wait forever
+            raise ValueError(
+                f"a request of up to {longest} tokens exceeds max_num_batched_tokens "
+                f"({budget}) and chunked prefill is off; enable it or raise the budget"
+            )
         return Sequence(token_ids, params, request_id, text)
 
     def add_sequence(self, seq: Sequence) -> None:
+        if seq.request_id in self.requests:
+            raise ValueError(f"request id {seq.request_id!r} is already in use")
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
 
@@ -107,11 +121,15 @@ class LLMEngine:
         self.add_sequence(seq)
         return seq.request_id
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str) -> Sequence | None:
+        """Finish a request with reason "abort", freeing its KV blocks now; returns its
+        sequence, or None if no such request is unfinished."""
         seq = self.requests.pop(request_id, None)
-        if seq is not None and not seq.is_finished:
-            self.scheduler.finish(seq, "abort")
-            self.runner.release(seq)
+        if seq is None or seq.is_finished:
+            return None
+        self.scheduler.finish(seq, "abort")
+        self.runner.release(seq)
+        return seq
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -119,9 +137,16 @@ class LLMEngine:
     # -- the loop ------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """Run one engine step; returns the sequences that received tokens in it."""
-        batch = self.scheduler.schedule()
+        start = time.perf_counter()
+        batch = self.scheduler.schedule(start)
         if not batch.seqs:
             return []
+        # A decode is one new token after the whole prompt; anything else is prefill work
+        # (a prompt chunk, or recomputation after a preemption).
+        decodes = [
+            n == 1 and s.num_computed_tokens >= s.num_prompt_tokens
+            for s, n in zip(batch.seqs, batch.num_new_tokens)
+        ]
         tokens = self.runner.run(batch)
         now = time.perf_counter()
         updated = []
@@ -131,15 +156,26 @@ class LLMEngine:
             if token is None:
                 continue
             seq.token_ids.append(token)
-            if seq.metrics.first_token_time is None:
-                seq.metrics.first_token_time = now
+            metrics = seq.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+            metrics.num_output_tokens += 1
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 self.runner.release(seq)
                 self.requests.pop(seq.request_id, None)
             updated.append(seq)
+        self._record_step(batch, decodes, start)
         return updated
+
+    def _record_step(self, batch: ScheduledBatch, decodes: list[bool], start: float) -> None:
+        end = time.perf_counter()
+        num_decodes = sum(decodes)
+        self.stats.record(self, len(batch), batch.num_tokens - num_decodes, num_decodes, start, end)
+        if self.timeline is not None:
+            self.timeline.record(self.stats.num_steps - 1, batch, decodes, start, end)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params
@@ -166,9 +202,9 @@ class LLMEngine:
         token_ids = seq.output_token_ids
         text = self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
         if seq.params.stop and seq.finish_reason == "stop":
-            for s in seq.params.stop:  # like vLLM, the stop string itself is not returned
-                if s in text:
-                    text = text[: text.index(s)]
+            # like vLLM, the text ends before the first stop string (which is not returned)
+            cuts = [text.index(s) for s in seq.params.stop if s in text]
+            text = text[: min(cuts)] if cuts else text
         completion = CompletionOutput(0, text, token_ids, seq.finish_reason)
         return RequestOutput(
             seq.request_id,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from nanovllm.config import EngineConfig
@@ -119,7 +120,9 @@ class ModelRunner:
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         cfg = self.model_config
         shape = (2, cfg.num_layers, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        # Zeros, not empty: the torch backend reads (masked) padding slots, and garbage
+        # NaNs there would survive the mask (0 * NaN = NaN).
+        cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = cache[0, i], cache[1, i]
         return cache
@@ -145,47 +148,63 @@ class ModelRunner:
                 sample_from.append(cu_q[-1] - 1)
                 sample_seqs.append(seq)
         width = max(len(t) for t in tables)
-        padded = [t + [-1] * (width - len(t)) for t in tables]
-        as_int32 = lambda x: self._to_device(x, torch.int32)  # noqa: E731
+        padded = np.full((len(tables), width), -1, dtype=np.int64)
+        for row, table in enumerate(tables):
+            padded[row, : len(table)] = table
+        # Two host-to-device copies per step, one per dtype, then views into them: each
+        # separate copy costs a few microseconds of CPU time, and CPU time is step time.
+        n_tok, n_seq = len(input_ids), len(lens_k)
+        longs = self._to_device(
+            np.concatenate([input_ids, positions, slots, sample_from]), torch.int64
+        )
+        ints = self._to_device(np.concatenate([cu_q, lens_k, padded.ravel()]), torch.int32)
         meta = AttentionMetadata(
-            slot_mapping=self._to_device(slots, torch.int64),
-            cu_seqlens_q=as_int32(cu_q),
-            seq_lens_k=as_int32(lens_k),
-            block_tables=as_int32(padded),
+            slot_mapping=longs[2 * n_tok : 3 * n_tok],
+            cu_seqlens_q=ints[: n_seq + 1],
+            seq_lens_k=ints[n_seq + 1 : 2 * n_seq + 1],
+            block_tables=ints[2 * n_seq + 1 :].view(n_seq, width),
             max_seqlen_q=max(batch.num_new_tokens),
             max_seqlen_k=max(lens_k),
             num_decodes=sum(1 for n in batch.num_new_tokens if n == 1),
             cu_seqlens_q_host=cu_q,
             seq_lens_k_host=lens_k,
         )
-        as_int64 = lambda x: self._to_device(x, torch.int64)  # noqa: E731
         return PreparedBatch(
-            as_int64(input_ids),
-            as_int64(positions),
+            longs[:n_tok],
+            longs[n_tok : 2 * n_tok],
             meta,
-            as_int64(sample_from),
+            longs[3 * n_tok :],
             sample_seqs,
             logit_rows,
         )
 
     def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        """Host list -> device tensor; on a GPU through pinned memory, without blocking."""
-        if self.device.type == "cpu":
-            return torch.tensor(values, dtype=dtype)
-        return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
+        """Host values -> device tensor. (Pinning a fresh host tensor costs more than the
+        copy it would speed up at these sizes, so the copy is from pageable memory.)"""
+        return torch.as_tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
     def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         vocab = self.model_config.vocab_size
         params = [s.params for s in seqs]
-        to = self._to_device
+        all_greedy = all(p.temperature == 0 for p in params)
+        any_filter = any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params)
+        columns = [[p.temperature for p in params]]
+        if any_filter:  # most steps need no filter tensors: skip building them
+            columns += [
+                [p.top_k if p.top_k > 0 else vocab for p in params],
+                [p.top_p for p in params],
+                [p.min_p for p in params],
+            ]
+        table = self._to_device(columns, torch.float32)
+        top_k = table[1].long() if any_filter else None
         return SamplingTensors(
-            temperatures=to([p.temperature for p in params], torch.float32),
-            top_k=to([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64),
-            top_p=to([p.top_p for p in params], torch.float32),
-            min_p=to([p.min_p for p in params], torch.float32),
+            temperatures=table[0],
+            top_k=top_k,
+            top_p=table[2] if any_filter else None,
+            min_p=table[3] if any_filter else None,
             generators=[self._generator(s) for s in seqs],
-            all_greedy=all(p.temperature == 0 for p in params),
-            any_filter=any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params),
+            all_greedy=all_greedy,
+            any_filter=any_filter,
         )
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:

@@ -1,14 +1,42 @@
 """Scheduling policies: who is served first when not everyone fits (chapter 06).
 
-A policy ranks sequences, most important first. The scheduler admits waiting sequences
-in that order and, when KV blocks run out, preempts running ones from the other end.
+A policy ranks sequences, most important first: ``order(seqs, now) -> list``. Every step
+the scheduler hands it all unfinished sequences, running and waiting together, and then
+
+- gives the step's token budget to the running ones in that order,
+- admits waiting ones in that order, stopping at the first that does not fit (so a large
+  request is not overtaken forever by small ones),
+- when the KV cache runs out, preempts running ones from the other end of the order.
+
+Two optional attributes refine this. ``on_admit(seq, now)`` is called whenever a waiting
+sequence gets a slot, for policies that remember who was served (``fair``). With
+``preempts_to_admit = True`` a waiting sequence that cannot be admitted may evict running
+ones ranked below it; only set it when the ranking of two sequences does not flip from
+step to step, or the engine would thrash (evict, recompute, evict back...).
+
+Built in: ``"fcfs"``, ``"priority"`` (``PriorityPolicy``), ``"fair"`` (``FairPolicy``),
+``"mixed"`` (``MixedPolicy``). A custom policy is a class with an ``order`` method, or
+just a function, which ``get_policy`` wraps in ``FunctionPolicy``::
+
+    def shortest_prompt_first(seqs, now):
+        return sorted(seqs, key=lambda s: (s.num_prompt_tokens, s.metrics.arrival_time))
+
+    llm = LLM(path, scheduler_policy=shortest_prompt_first)
+    llm = LLM(path, scheduler_policy=PriorityPolicy(aging_rate=0.5))
+
+Give each engine its own policy object: ``FairPolicy`` keeps per-tenant state.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
+from collections.abc import Callable
 from typing import Protocol
 
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+
+OrderFn = Callable[[list[Sequence], float], list[Sequence]]
 
 
 class Policy(Protocol):
@@ -17,21 +45,181 @@ class Policy(Protocol):
         ...
 
 
+def _arrival(seq: Sequence) -> tuple[float, int]:
+    return seq.metrics.arrival_time, seq.seq_id
+
+
+def _running_first(seqs: list[Sequence]) -> list[Sequence]:
+    """Stable: a group's running sequences, then its waiting ones (ranks reflect slots held)."""
+    return sorted(seqs, key=lambda s: s.status is not SequenceStatus.RUNNING)
+
+
 class FCFS:
     """First come, first served: earliest arrival first."""
 
+    preempts_to_admit = False
+
     def order(self, seqs: list[Sequence], now: float) -> list[Sequence]:
-        return sorted(seqs, key=lambda s: (s.metrics.arrival_time, s.seq_id))
+        return sorted(seqs, key=_arrival)
 
 
-POLICIES = {"fcfs": FCFS}
+class PriorityPolicy:
+    """Lower ``SamplingParams.priority`` first, with aging and deadlines.
+
+    ``effective priority = priority - aging_rate * (now - arrival)
+                                     - aging_rate * (default_deadline - deadline)``
+
+    Waiting improves a request by ``aging_rate`` priority levels per second, so nothing
+    starves: a request outranks every later arrival that is less than
+    ``aging_rate * (seconds between them)`` levels more important. A ``deadline`` (seconds
+    after arrival) tighter than ``default_deadline`` counts as extra waiting; requests
+    without one get ``default_deadline``. Since every request ages at the same rate, the
+    order of two requests never changes with time (it equals ordering by the virtual due
+    time ``arrival + deadline + priority / aging_rate``), which makes it safe to evict a
+    lower-ranked running request to admit a higher-ranked one. ``aging_rate=0`` gives
+    strict priority (starvation possible), ties broken by earliest deadline, then arrival.
+    """
+
+    preempts_to_admit = True
+
+    def __init__(self, aging_rate: float = 1.0, default_deadline: float = 10.0) -> None:
+        if not (aging_rate >= 0 and math.isfinite(aging_rate)):
+            raise ValueError(f"aging_rate must be a finite number >= 0, got {aging_rate}")
+        if not default_deadline > 0:
+            raise ValueError(f"default_deadline must be > 0 seconds, got {default_deadline}")
+        self.aging_rate, self.default_deadline = aging_rate, default_deadline
+
+    def _deadline(self, seq: Sequence) -> float:
+        d = seq.params.deadline
+        return self.default_deadline if d is None else d
+
+    def effective_priority(self, seq: Sequence, now: float) -> float:
+        waited = now - seq.metrics.arrival_time
+        bonus = self.default_deadline - self._deadline(seq)
+        return seq.params.priority - self.aging_rate * (waited + bonus)
+
+    def order(self, seqs: list[Sequence], now: float) -> list[Sequence]:
+        def key(seq: Sequence) -> tuple:
+            due = seq.metrics.arrival_time + self._deadline(seq)
+            # effective_priority minus the term all requests share (aging_rate * now): the
+            # same order, but computed without `now`, so rounding cannot flip it over time.
+            return (seq.params.priority + self.aging_rate * due, due, *_arrival(seq))
+
+        return sorted(seqs, key=key)
 
 
-def get_policy(policy: str | Policy) -> Policy:
-    if not isinstance(policy, str):
-        if not callable(getattr(policy, "order", None)):
-            raise ValueError("a custom scheduler_policy needs an order(seqs, now) method")
+class FairPolicy:
+    """Round robin across tenants (``SamplingParams.user``; None is one shared tenant).
+
+    Each tenant's sequences are numbered 0, 1, 2, ... (running ones first, then by
+    arrival), and every tenant's number i comes before any tenant's number i + 1. With n
+    tenants competing, each holds about 1/n of the running slots, however many requests
+    it submitted. Between equal numbers the tenant admitted least recently goes first
+    (``on_admit`` remembers), so turns rotate even when slots free up one at a time. Ties
+    flip with every admission, so this policy never evicts to admit.
+    """
+
+    preempts_to_admit = False
+
+    def __init__(self) -> None:
+        self._last_turn: dict[str | None, int] = {}
+        self._turns = itertools.count()
+
+    def order(self, seqs: list[Sequence], now: float) -> list[Sequence]:
+        index: dict[str | None, int] = {}
+        keyed = []
+        for seq in _running_first(sorted(seqs, key=_arrival)):
+            i = index[seq.user] = index.get(seq.user, -1) + 1
+            keyed.append(((i, self._last_turn.get(seq.user, -1), *_arrival(seq)), seq))
+        keyed.sort(key=lambda pair: pair[0])
+        return [seq for _, seq in keyed]
+
+    def on_admit(self, seq: Sequence, now: float) -> None:
+        self._last_turn[seq.user] = next(self._turns)
+
+
+class MixedPolicy:
+    """Reserved shares of the running slots per ``SamplingParams.request_class``.
+
+    ``MixedPolicy({"interactive": 0.8, "batch": 0.2})``: while both classes have work,
+    about 80% of the running sequences are interactive and 20% batch; a class without work
+    leaves its share to the others, so nothing idles. The k-th sequence of class c (running
+    ones first, then in the order of ``within``, FCFS by default) gets the tag
+    ``(k + 1) / share[c]`` and lower tags go first: weighted round robin. A request without
+    a class, or with one not listed, belongs to ``default_class`` (the first listed).
+    Tags move only when a sequence joins or leaves a class, so the order is stable and a
+    waiting request of a class below its share may evict the last-ranked running one: the
+    share is a reservation that batch work, having filled an idle engine, gives back.
+    """
+
+    preempts_to_admit = True
+
+    def __init__(
+        self,
+        shares: dict[str, float] | None = None,
+        default_class: str | None = None,
+        within: Policy | None = None,
+    ) -> None:
+        shares = dict(shares or {"interactive": 0.8, "batch": 0.2})
+        if not shares or not all(isinstance(v, (int, float)) and v > 0 for v in shares.values()):
+            raise ValueError(f"shares must map class names to numbers > 0, got {shares}")
+        total = sum(shares.values())
+        self.shares = {name: v / total for name, v in shares.items()}
+        self.default_class = next(iter(shares)) if default_class is None else default_class
+        if self.default_class not in shares:
+            raise ValueError(f"default_class {self.default_class!r} is not in {list(shares)}")
+        self.within = within or FCFS()
+        self._class_index = {name: i for i, name in enumerate(shares)}
+
+    def class_of(self, seq: Sequence) -> str:
+        return seq.request_class if seq.request_class in self.shares else self.default_class
+
+    def order(self, seqs: list[Sequence], now: float) -> list[Sequence]:
+        groups: dict[str, list[Sequence]] = {}
+        for seq in seqs:
+            groups.setdefault(self.class_of(seq), []).append(seq)
+        keyed = []
+        for name, group in groups.items():
+            share, index = self.shares[name], self._class_index[name]
+            for k, seq in enumerate(_running_first(self.within.order(group, now))):
+                keyed.append(((k + 1) / share, index, k, seq))  # ties: a fixed class order
+        keyed.sort(key=lambda t: t[:3])
+        return [t[3] for t in keyed]
+
+
+class FunctionPolicy:
+    """A plain ``order(seqs, now)`` function used as a policy."""
+
+    preempts_to_admit = False
+
+    def __init__(self, fn: OrderFn) -> None:
+        self.fn = fn
+
+    def order(self, seqs: list[Sequence], now: float) -> list[Sequence]:
+        return list(self.fn(seqs, now))
+
+    def __repr__(self) -> str:
+        return f"FunctionPolicy({getattr(self.fn, '__name__', self.fn)!r})"
+
+
+POLICIES: dict[str, Callable[[], Policy]] = {
+    "fcfs": FCFS,
+    "priority": PriorityPolicy,
+    "fair": FairPolicy,
+    "mixed": MixedPolicy,
+}
+
+
+def get_policy(policy: str | Policy | OrderFn) -> Policy:
+    """A policy from a name in ``POLICIES``, a policy object, or an ``order`` function."""
+    if isinstance(policy, str):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown scheduler_policy {policy!r}; choose from {sorted(POLICIES)}")
+        return POLICIES[policy]()
+    if callable(getattr(policy, "order", None)):
         return policy
-    if policy not in POLICIES:
-        raise ValueError(f"unknown scheduler_policy {policy!r}; choose from {sorted(POLICIES)}")
-    return POLICIES[policy]()
+    if callable(policy):
+        return FunctionPolicy(policy)
+    raise ValueError(
+        "scheduler_policy must be a name, an object with order(seqs, now), or such a function"
+    )

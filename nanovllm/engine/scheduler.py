@@ -1,12 +1,16 @@
 """Continuous batching under a token budget (chapter 06; block accounting in chapter 04).
 
 Every step the scheduler hands the model runner a list of (sequence, number of new tokens)
-whose total stays within ``max_num_batched_tokens``. Running sequences go first: a
-decoding sequence needs one token, a sequence whose prompt was cut into chunks needs its
-next chunk. Remaining budget admits waiting sequences, each starting after its cached
-prefix. Prefill chunks and decode tokens share one step. When the KV cache has no block
-left for a running sequence, the least important running sequence is preempted: its
-blocks are freed and it will be recomputed from scratch later (recompute preemption).
+whose total stays within ``max_num_batched_tokens``. The policy (``policies.py``) first
+ranks all unfinished sequences. Running sequences go first, in that order: a decoding
+sequence needs one token, a sequence whose prompt was cut into chunks needs its next
+chunk. Remaining budget admits waiting sequences in that order, each starting after its
+cached prefix. Prefill chunks and decode tokens share one step. When the KV cache has no
+block left for a running sequence, the lowest-ranked running sequence is preempted: its
+blocks are freed and it will be recomputed later (recompute preemption; with prefix
+caching its freed blocks often survive and make the recomputation cheap). Policies that
+declare ``preempts_to_admit`` may also evict lower-ranked running sequences to admit a
+higher-ranked waiting one, e.g. a high-priority request arriving at a full engine.
 """
 
 from __future__ import annotations
@@ -25,14 +29,23 @@ from nanovllm.engine.sequence import Sequence, SequenceStatus
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
+    num_tokens: int = field(init=False)  # sum of num_new_tokens, kept up to date
+
+    def __post_init__(self) -> None:
+        self.num_tokens = sum(self.num_new_tokens)
 
     def add(self, seq: Sequence, n: int) -> None:
         self.seqs.append(seq)
         self.num_new_tokens.append(n)
+        self.num_tokens += n
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
+    def remove(self, seq: Sequence) -> None:
+        """Drop ``seq`` if it is in the batch (it was preempted after being scheduled)."""
+        for i, s in enumerate(self.seqs):
+            if s is seq:
+                self.num_tokens -= self.num_new_tokens[i]
+                del self.seqs[i], self.num_new_tokens[i]
+                return
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -45,7 +58,9 @@ class Scheduler:
         self.chunked_prefill = config.enable_chunked_prefill
         self.block_manager = block_manager
         self.policy = get_policy(config.scheduler_policy)
-        self.waiting: deque[Sequence] = deque()
+        self._on_admit = getattr(self.policy, "on_admit", None)
+        self._evicts = bool(getattr(self.policy, "preempts_to_admit", False))
+        self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
@@ -61,10 +76,23 @@ class Scheduler:
             return remaining
         return budget if self.chunked_prefill else 0
 
-    def schedule(self) -> ScheduledBatch:
-        now = time.perf_counter()
+    def _ordered(self, now: float) -> list[Sequence]:
+        """Every unfinished sequence, most important first, as the policy ranks them."""
+        seqs = self.running + self.waiting
+        ordered = list(self.policy.order(seqs, now))
+        if len(ordered) != len(seqs) or {id(s) for s in ordered} != {id(s) for s in seqs}:
+            raise RuntimeError(f"{self.policy!r}.order must return a permutation of its input")
+        return ordered
+
+    def schedule(self, now: float | None = None) -> ScheduledBatch:
+        """Pick this step's sequences and token counts. ``now`` defaults to the clock;
+        tests pass a simulated time."""
+        now = time.perf_counter() if now is None else now
+        ordered = self._ordered(now)
+        rank = {s.seq_id: i for i, s in enumerate(ordered)}
+        waiting = [s for s in ordered if s.status is SequenceStatus.WAITING]
+        queue = deque(s for s in ordered if s.status is SequenceStatus.RUNNING)
         batch, budget = ScheduledBatch(), self.max_num_batched_tokens
-        queue = deque(self.policy.order(self.running, now))
         self.running = []
         preempted = False
         while queue:
@@ -84,33 +112,61 @@ class Scheduler:
                 batch.add(seq, n)
                 budget -= n
         if not preempted:  # after a preemption, admitting more would only thrash
-            self._admit(batch, budget, now)
+            self._admit(waiting, batch, rank, now)
         return batch
 
-    def _admit(self, batch: ScheduledBatch, budget: int, now: float) -> None:
-        ordered = self.policy.order(list(self.waiting), now)
+    def _admit(
+        self, ordered: list[Sequence], batch: ScheduledBatch, rank: dict, now: float
+    ) -> None:
+        bs = self.block_manager.block_size
         for seq in ordered:
-            if len(self.running) >= self.max_num_seqs or budget == 0:
-                break
+            budget = self.max_num_batched_tokens - batch.num_tokens
             cached = self.block_manager.cached_prefix(seq)
-            n = self._chunk(seq.num_tokens - len(cached) * self.block_manager.block_size, budget)
-            if n == 0 or not self.block_manager.allocate(seq, n, cached):
+            n = self._chunk(seq.num_tokens - len(cached) * bs, budget)
+            if n == 0 or not self._fit(seq, n, cached, rank, batch):
                 break  # head-of-line blocking keeps the policy's order honest
-            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
-                seq.metrics.num_cached_prompt_tokens = len(cached) * self.block_manager.block_size
+                seq.metrics.num_cached_prompt_tokens = len(cached) * bs
+            if self._on_admit is not None:
+                self._on_admit(seq, now)
             self.running.append(seq)
             batch.add(seq, n)
-            budget -= n
+        self.waiting = [s for s in self.waiting if s.status is SequenceStatus.WAITING]
+
+    def _fit(
+        self, seq: Sequence, n: int, cached: list[int], rank: dict, batch: ScheduledBatch
+    ) -> bool:
+        """Give ``seq`` a slot and blocks, evicting lower-ranked running sequences if the
+        policy allows it and that makes enough room; False if it does not fit."""
+        bm = self.block_manager
+        if len(self.running) < self.max_num_seqs and bm.allocate(seq, n, cached):
+            return True
+        if not self._evicts:
+            return False
+        lower = [s for s in self.running if rank[s.seq_id] > rank[seq.seq_id]]
+        lower.sort(key=lambda s: rank[s.seq_id])
+        freeable = sum(1 for s in lower for b in s.block_table if bm.blocks[b].ref_count == 1)
+        revived = sum(1 for b in cached if bm.blocks[b].ref_count == 0)
+        needed = bm.blocks_needed(len(cached) * bm.block_size + n) - len(cached) + revived
+        if not lower or needed > bm.num_free_blocks + freeable:
+            return False  # evicting would not make room: leave the running ones alone
+        while lower:
+            victim = lower.pop()  # the least important first
+            self.running.remove(victim)
+            batch.remove(victim)
+            self._preempt(victim)
+            if len(self.running) < self.max_num_seqs and bm.allocate(seq, n, cached):
+                return True
+        return False
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.metrics.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.waiting.append(seq)  # where in the queue does not matter: the policy ranks it
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End ``seq`` (whether running or waiting) and release its blocks."""

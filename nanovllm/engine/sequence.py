@@ -44,7 +44,8 @@ class Sequence:
         self.block_hashes: list[int] = []  # chained hashes of this sequence's full blocks
         self.num_computed_tokens = 0
         self.finish_reason: str | None = None
-        self.user: str | None = None  # tenant, for fair scheduling
+        self.user = params.user  # tenant, for fair scheduling
+        self.request_class = params.request_class  # for the "mixed" policy
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
 
     def __len__(self) -> int:

@@ -20,9 +20,9 @@ class SamplingTensors:
     """Per-row sampling settings for one batch, on the logits' device."""
 
     temperatures: torch.Tensor  # [B] float, 0 = greedy
-    top_k: torch.Tensor  # [B] int, vocab size when disabled
-    top_p: torch.Tensor  # [B] float, 1 when disabled
-    min_p: torch.Tensor  # [B] float, 0 when disabled
+    top_k: torch.Tensor | None  # [B] int; None when no row filters (also top_p, min_p)
+    top_p: torch.Tensor | None  # [B] float, 1 when disabled
+    min_p: torch.Tensor | None  # [B] float, 0 when disabled
     generators: list[torch.Generator | None]  # per row; None = the shared generator
     all_greedy: bool
     any_filter: bool

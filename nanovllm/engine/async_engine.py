@@ -1,0 +1,278 @@
+"""Producer/consumer serving core: requests in through a queue, tokens out through
+per-request streams (chapter 10; the scheduling it relies on is chapter 06).
+
+    engine = AsyncEngine.from_model(path)
+    stream = engine.submit("Hello", SamplingParams(max_tokens=16))   # from any thread
+    for chunk in stream:                                              # blocking iteration
+        print(chunk.text, end="")
+    out = engine.submit("Hi").result(timeout=30)                      # or just the result
+    async for chunk in engine.stream("Hello"): ...                    # asyncio
+    out = await engine.generate("Hello")
+    engine.shutdown()
+
+Threading model
+---------------
+- One *engine thread* owns the ``LLMEngine``: only it changes engine state (scheduler,
+  block manager, KV cache, model). Its loop takes every command waiting in the inbox
+  (add, abort), applies them, runs one ``step()`` if there is work, and hands each
+  request's new tokens to its stream. With nothing to do it sleeps on a condition
+  variable until a command arrives: no busy spinning.
+- *Producers* (any threads) call ``submit``, ``abort`` and ``shutdown``. ``submit``
+  validates in the caller's thread (``ValueError`` is raised there, so bad input never
+  reaches the engine thread) and appends to the inbox under a lock. ``abort`` and
+  ``shutdown`` wait until the engine thread has carried them out, at a step boundary.
+- *Consumers* read a ``RequestStream`` (one consumer per stream). The engine thread only
+  passes token ids; text is detokenized incrementally in the consumer's thread, which
+  keeps the step loop lean. ``stream``/``generate`` bridge into asyncio by forwarding the
+  same items into an ``asyncio.Queue`` with ``loop.call_soon_threadsafe``.
+- Every stream ends, one way or another: finished ("stop"/"length"), aborted ("abort",
+  also when ``shutdown(wait=False)`` cuts it short), or with an ``EngineError`` when a
+  step raised (the engine is then dead and refuses new requests).
+- While an ``AsyncEngine`` runs an ``LLMEngine``, nothing else may call that engine (nor
+  an ``LLM`` built on it); reading ``engine.stats`` / ``timeline.to_records()`` is fine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from nanovllm.config import EngineConfig
+from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.engine.sequence import Sequence
+from nanovllm.outputs import Item, RequestOutput, RequestStream, StreamChunk
+from nanovllm.sampling_params import SamplingParams
+
+
+class EngineError(RuntimeError):
+    """The engine cannot serve the request: a step failed (see ``__cause__``) or it is shut down."""
+
+
+class AsyncRequestStream:
+    """A ``RequestStream`` read through asyncio (``async for``); leaving the loop early
+    (a ``break``, a cancelled task) aborts the request."""
+
+    def __init__(self, engine: AsyncEngine, stream: RequestStream, items: asyncio.Queue):
+        self.engine, self.stream, self._items = engine, stream, items
+        self.request_id = stream.request_id
+
+    async def __aiter__(self) -> AsyncIterator[StreamChunk]:
+        finished = False
+        try:
+            while not finished:
+                chunk = self.stream.to_chunk(await self._items.get())
+                finished = chunk.finished
+                yield chunk
+        finally:
+            if not finished and not self.stream.done:
+                self.engine.abort(self.request_id, wait=False)  # nobody is listening any more
+
+
+class AsyncEngine:
+    """Runs an ``LLMEngine`` on a background thread; see the module docstring."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._wakeup = threading.Condition(self._lock)
+        self._tokenizer_lock = threading.Lock()
+        # guarded by _lock: commands for the engine thread, and the streams not yet ended
+        self._inbox: list[tuple] = []
+        self._streams: dict[str, RequestStream] = {}
+        self._refusal: EngineError | None = None  # set once no more requests are taken
+        self._stop: str | None = None  # None, "drain" (finish all) or "abort"
+        self._closed = False  # the engine thread has stopped reading the inbox
+        self._active: dict[str, RequestStream] = {}  # engine thread only
+        self._thread = threading.Thread(target=self._run, name="nanovllm-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_model(cls, model: str, **options: Any) -> AsyncEngine:
+        """Build the engine for a model folder; ``options`` are ``EngineConfig`` fields."""
+        return cls(LLMEngine(EngineConfig.from_kwargs(str(model), **options)))
+
+    # -- producers -----------------------------------------------------------------------
+    def submit(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> RequestStream:
+        """Queue a request; returns its stream at once. Raises ``ValueError`` (bad input)
+        or ``EngineError`` (shut down or failed) in the calling thread."""
+        return self._submit(prompt, params, request_id, None)
+
+    def _submit(self, prompt, params, request_id, sink) -> RequestStream:
+        params = SamplingParams() if params is None else params
+        if request_id is not None and not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
+        with self._tokenizer_lock:  # a HF fast tokenizer may refuse concurrent use
+            seq: Sequence = self.engine.make_sequence(prompt, params, request_id)
+        stream = RequestStream(seq.request_id, self.engine.tokenizer, params.stop)
+        if sink is not None:
+            stream.sink = sink
+        with self._lock:
+            if self._refusal is not None:
+                raise self._refusal
+            if seq.request_id in self._streams:
+                raise ValueError(f"request id {seq.request_id!r} is already in use")
+            self._streams[seq.request_id] = stream
+            self._inbox.append(("add", seq, stream))
+            self._wakeup.notify()
+        return stream
+
+    def abort(self, request_id: str, wait: bool = True) -> bool:
+        """Abort a request: its stream ends with finish_reason "abort" and its KV blocks are
+        freed at the next step boundary. With ``wait`` this returns after that has happened,
+        True if the request was aborted (False: unknown, or it finished first)."""
+        done, aborted = threading.Event(), []
+        with self._lock:
+            if request_id not in self._streams or self._closed:
+                return False
+            self._inbox.append(("abort", request_id, done, aborted))
+            self._wakeup.notify()
+        if not wait or threading.current_thread() is self._thread:
+            return True
+        done.wait()
+        return bool(aborted)
+
+    def shutdown(self, wait: bool = True, timeout: float | None = None) -> None:
+        """Stop taking requests and stop the engine thread. ``wait=True`` lets every pending
+        request finish first; ``wait=False`` aborts them (finish_reason "abort") at the next
+        step boundary. Either way every stream has ended when this returns (unless
+        ``timeout`` seconds pass first)."""
+        with self._lock:
+            self._refusal = self._refusal or EngineError("the engine is shut down")
+            self._stop = "abort" if not wait or self._stop == "abort" else "drain"
+            self._wakeup.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def __enter__(self) -> AsyncEngine:
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        self.shutdown(wait=exc_type is None)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive()
+
+    # -- asyncio -------------------------------------------------------------------------
+    def stream(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncRequestStream:
+        """Submit now (errors raise here) and return an async iterable of chunks; call it
+        from a coroutine: ``async for chunk in engine.stream(prompt, params): ...``."""
+        loop = asyncio.get_running_loop()
+        items: asyncio.Queue = asyncio.Queue()
+
+        def sink(item: Item) -> None:  # runs on the engine thread
+            try:
+                loop.call_soon_threadsafe(items.put_nowait, item)
+            except RuntimeError:  # the event loop is closed: nobody is listening
+                pass
+
+        return AsyncRequestStream(self, self._submit(prompt, params, request_id, sink), items)
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> RequestOutput:
+        """The final output of one request, awaited without blocking the event loop."""
+        async for chunk in self.stream(prompt, params, request_id):
+            if chunk.finished:
+                return chunk.output
+        raise AssertionError("a stream always ends with a finished chunk")
+
+    # -- the engine thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            stalled = False
+            while True:
+                with self._lock:
+                    while not (self._inbox or self._stop or self.engine.has_unfinished()):
+                        self._wakeup.wait()
+                    if stalled and not self._inbox and not self._stop:
+                        self._wakeup.wait(0.01)  # nothing could be scheduled: don't spin
+                    commands, self._inbox = self._inbox, []
+                    stop = self._stop
+                for command in commands:
+                    self._apply(command)
+                if stop == "abort" or (stop == "drain" and not self.engine.has_unfinished()):
+                    self._abort_all()
+                    break
+                if self.engine.has_unfinished():
+                    steps = self.engine.stats.num_steps
+                    self._publish(self.engine.step())
+                    stalled = self.engine.stats.num_steps == steps
+        except BaseException as exc:  # a failed step must not leave any stream hanging
+            self._fail_all(exc)
+        finally:
+            self._close_inbox()
+
+    def _apply(self, command: tuple) -> None:
+        if command[0] == "add":
+            _, seq, stream = command
+            self.engine.add_sequence(seq)
+            self._active[seq.request_id] = stream
+        else:
+            _, request_id, done, aborted = command
+            seq = self.engine.abort(request_id)
+            if seq is not None:
+                self._end(seq)
+                aborted.append(True)
+            done.set()
+
+    def _publish(self, updated: list[Sequence]) -> None:
+        for seq in updated:
+            stream = self._active.get(seq.request_id)
+            if stream is None:
+                continue  # added behind our back (e.g. directly on the LLMEngine)
+            if seq.is_finished:
+                self._end(seq)
+            else:
+                stream.push(self._new_tokens(seq, stream))
+
+    @staticmethod
+    def _new_tokens(seq: Sequence, stream: RequestStream) -> list[int]:
+        new = seq.token_ids[seq.num_prompt_tokens + stream.num_sent :]
+        stream.num_sent += len(new)
+        return new
+
+    def _end(self, seq: Sequence) -> None:
+        output = self.engine.output(seq)  # first: if it raises, the stream is still listed
+        stream = self._active.pop(seq.request_id)
+        with self._lock:
+            self._streams.pop(seq.request_id, None)
+        stream.end(self._new_tokens(seq, stream), output)
+
+    def _abort_all(self) -> None:
+        for request_id in list(self._active):
+            self._end(self.engine.abort(request_id))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        error = EngineError(f"engine step failed: {exc!r}")
+        error.__cause__ = exc
+        with self._lock:
+            self._refusal = error
+            streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            stream.end(error=error)
+
+    def _close_inbox(self) -> None:
+        """Release whoever still waits on a command the loop will never read."""
+        with self._lock:
+            self._closed = True
+            self._refusal = self._refusal or EngineError("the engine is shut down")
+            commands, self._inbox = self._inbox, []
+        for command in commands:
+            if command[0] == "abort":
+                command[2].set()

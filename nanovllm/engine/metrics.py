@@ -1,0 +1,141 @@
+"""What the engine measures: per step, per request, and an optional timeline (chapters 06, 10).
+
+- Per request: timestamps and counters in ``RequestMetrics`` (``nanovllm/outputs.py``),
+  filled in by the scheduler and the step loop; it derives queue time, time to first
+  token, time per output token and end-to-end latency. ``latency_summary`` turns many of
+  them into means and percentiles.
+- Per step: ``StepMetrics`` (wall time, prefill and decode tokens, sequences, KV usage,
+  preemptions so far, prefix-cache hit rate so far), kept by ``EngineStats`` for the
+  last ``max_steps`` steps. Recording one costs a few attribute reads per step.
+- ``TimelineRecorder``: which request ran how many tokens (prefill chunk or decode) in
+  which step, with the step's start and end. Off by default; switch it on with
+  ``engine.timeline = TimelineRecorder()``. ``to_records()`` returns plain dicts that a
+  chapter plots as a Gantt chart.
+
+All times are ``time.perf_counter()`` seconds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+from nanovllm.outputs import RequestMetrics
+
+if TYPE_CHECKING:
+    from nanovllm.engine.llm_engine import LLMEngine
+    from nanovllm.engine.scheduler import ScheduledBatch
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    start: float
+    end: float
+    num_seqs: int
+    num_prefill_tokens: int  # prompt chunks, and recomputation after a preemption
+    num_decode_tokens: int
+    num_running: int  # after the step
+    num_waiting: int
+    kv_usage: float  # fraction of KV blocks in use after the step
+    num_preemptions: int  # since the engine started
+    prefix_hit_rate: float  # since the engine started
+
+    @property
+    def wall_time(self) -> float:
+        return self.end - self.start
+
+
+class EngineStats:
+    """Per-step metrics of the last ``max_steps`` steps, and totals since the start."""
+
+    def __init__(self, max_steps: int = 10_000) -> None:
+        self.steps: deque[StepMetrics] = deque(maxlen=max_steps)
+        self.num_steps = 0
+        self.num_prefill_tokens = 0
+        self.num_decode_tokens = 0
+
+    def record(
+        self, engine: LLMEngine, num_seqs: int, prefill: int, decode: int, start: float, end: float
+    ) -> None:
+        sched, bm = engine.scheduler, engine.block_manager
+        self.steps.append(
+            StepMetrics(
+                self.num_steps,
+                start,
+                end,
+                num_seqs,
+                prefill,
+                decode,
+                len(sched.running),
+                len(sched.waiting),
+                bm.usage,
+                sched.num_preemptions,
+                bm.prefix_hit_rate,
+            )
+        )
+        self.num_steps += 1
+        self.num_prefill_tokens += prefill
+        self.num_decode_tokens += decode
+
+    def to_records(self) -> list[dict]:
+        """The recorded steps as plain dicts (with ``wall_time``), oldest first."""
+        steps = list(self.steps)  # a snapshot: the engine thread may be appending
+        return [dict(asdict(s), wall_time=s.wall_time) for s in steps]
+
+
+class TimelineRecorder:
+    """Who ran what in every step: one entry per (step, request)."""
+
+    def __init__(self) -> None:
+        # (step, request_id, kind, num_tokens, start, end), kept as tuples: cheap to append
+        self.entries: list[tuple[int, str, str, int, float, float]] = []
+
+    def record(
+        self, step: int, batch: ScheduledBatch, decodes: list[bool], start: float, end: float
+    ) -> None:
+        for seq, n, is_decode in zip(batch.seqs, batch.num_new_tokens, decodes):
+            kind = "decode" if is_decode else "prefill"
+            self.entries.append((step, seq.request_id, kind, n, start, end))
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+    def to_records(self, relative: bool = True) -> list[dict]:
+        """Plain dicts ``{step, request_id, kind, num_tokens, start, end}``; with
+        ``relative`` the times count from the first recorded step's start."""
+        entries = list(self.entries)  # a snapshot: the engine thread may be appending
+        t0 = entries[0][4] if relative and entries else 0.0
+        keys = ("step", "request_id", "kind", "num_tokens")
+        return [dict(zip(keys, e[:4]), start=e[4] - t0, end=e[5] - t0) for e in entries]
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    """Linear interpolation between the closest ranks (numpy's default method)."""
+    pos = (len(sorted_values) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def latency_summary(
+    metrics: Iterable[RequestMetrics], percentiles: tuple[float, ...] = (50, 90, 99)
+) -> dict[str, dict[str, float]]:
+    """Mean and percentiles (seconds) of queue time, TTFT, TPOT and e2e latency.
+
+    Requests for which a figure is undefined (e.g. TPOT of a one-token answer) are left
+    out of that figure; ``count`` says how many were used.
+    """
+    metrics = list(metrics)
+    summary = {}
+    for name in ("queue_time", "time_to_first_token", "time_per_output_token", "e2e_latency"):
+        values = sorted(v for m in metrics if (v := getattr(m, name)) is not None)
+        if not values:
+            summary[name] = {"count": 0}
+            continue
+        row = {"count": len(values), "mean": sum(values) / len(values)}
+        row.update({f"p{q:g}": _percentile(values, q) for q in percentiles})
+        summary[name] = row
+    return summary

@@ -1,0 +1,232 @@
+"""The async engine: many producer threads, streams, abort, shutdown, failures, asyncio.
+
+A tiny random Llama with SmolLM2's tokenizer (``test_scheduler.make_tiny_llama``), so
+prompts can be text and streamed text can be checked against the final output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+
+import pytest
+from test_scheduler import make_llm, make_tiny_llama, one_torch_thread  # noqa: F401
+
+from nanovllm import SamplingParams
+from nanovllm.engine.async_engine import AsyncEngine, EngineError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+WORDS = "alpha beta gamma delta river mountain engine token stream paris code tea".split()
+
+
+def _prompts(n: int) -> list:
+    rng = random.Random(1)
+    out = []
+    for i in range(n):  # half text (tokenized in the producer threads), half token ids
+        if i % 2:
+            out.append(" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 30))))
+        else:
+            out.append([rng.randrange(49152) for _ in range(rng.randint(1, 40))])
+    return out
+
+
+PROMPTS = _prompts(200)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, smollm2_dir):
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-text"), tokenizer_dir=smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    return make_llm(model_dir, num_kv_blocks=512).generate(PROMPTS, GREEDY, use_tqdm=False)
+
+
+@pytest.fixture
+def engine(model_dir, request):
+    options = getattr(request, "param", {})
+    eng = AsyncEngine(make_llm(model_dir, num_kv_blocks=64, **options).engine)
+    yield eng
+    eng.shutdown(wait=False)
+    assert not eng.is_running
+
+
+def test_eight_producers_two_hundred_requests(engine, reference):
+    results: dict[int, tuple] = {}
+    errors = []
+
+    def producer(k: int) -> None:
+        try:
+            streams = [(i, engine.submit(PROMPTS[i], GREEDY)) for i in range(k, 200, 8)]
+            for i, stream in streams:
+                chunks = list(stream) if k % 2 else []  # some consumers only want result()
+                results[i] = (chunks, stream.result(timeout=60))
+        except Exception as exc:  # noqa: BLE001 - reported below, in the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=producer, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 200
+    for i, (chunks, out) in results.items():
+        assert out.token_ids == reference[i].token_ids and out.finish_reason == "length"
+        assert out.text == reference[i].text
+        if chunks:
+            assert [t for c in chunks for t in c.token_ids] == out.token_ids
+            assert "".join(c.text for c in chunks) == out.text
+            assert chunks[-1].finished and not any(c.finished for c in chunks[:-1])
+
+
+def test_bad_input_raises_in_the_callers_thread(engine, reference):
+    caught = []
+
+    def producer() -> None:
+        for bad in ("", [], [10**9], "word " * 600):
+            try:
+                engine.submit(bad, GREEDY)
+            except ValueError as exc:
+                caught.append(exc)
+
+    t = threading.Thread(target=producer)
+    t.start()
+    t.join()
+    assert len(caught) == 4
+    with pytest.raises(ValueError, match="SamplingParams"):
+        engine.submit("hi", {"max_tokens": 3})
+    with pytest.raises(ValueError, match="request_id"):
+        engine.submit("hi", GREEDY, request_id=7)
+    first = engine.submit(PROMPTS[1], LONG, request_id="same")
+    with pytest.raises(ValueError, match="already in use"):
+        engine.submit(PROMPTS[1], GREEDY, request_id="same")
+    engine.abort("same")
+    assert first.result(timeout=30).finish_reason == "abort"
+    assert engine.submit(PROMPTS[0], GREEDY).result(30).token_ids == reference[0].token_ids
+
+
+@pytest.mark.parametrize(
+    "engine", [{"enable_prefix_caching": False}, {"enable_prefix_caching": True}], indirect=True
+)
+def test_abort_frees_blocks_and_ends_the_stream(engine):
+    bm = engine.engine.block_manager
+    stream = engine.submit(PROMPTS[2], LONG)
+    chunks = iter(stream)
+    first = [next(chunks) for _ in range(3)]
+    assert engine.abort(stream.request_id)
+    # the engine thread acted at a step boundary before abort returned
+    assert bm.num_free_blocks == bm.num_blocks
+    assert all(block.ref_count == 0 for block in bm.blocks)
+    rest = list(chunks)
+    assert rest[-1].finished and rest[-1].finish_reason == "abort"
+    out = stream.result(timeout=5)
+    assert out.finish_reason == "abort" and 3 <= len(out.token_ids) < 400
+    assert [t for c in first + rest for t in c.token_ids] == out.token_ids
+    assert list(stream) == []  # read to the end already: no blocking
+    assert not engine.abort(stream.request_id)  # already over
+    assert not engine.abort("no-such-request")
+
+
+def test_shutdown_without_wait_ends_every_stream(engine):
+    streams = [engine.submit(p, LONG) for p in PROMPTS[:30]]
+    engine.shutdown(wait=False)
+    assert not engine.is_running
+    reasons = [s.result(timeout=0).finish_reason for s in streams]
+    assert set(reasons) == {"abort"}
+    assert all(list(s)[-1].finish_reason == "abort" for s in streams)
+    with pytest.raises(EngineError, match="shut down"):
+        engine.submit(PROMPTS[0], GREEDY)
+    assert not engine.abort(streams[0].request_id)
+
+
+def test_shutdown_with_wait_finishes_every_request(engine, reference):
+    streams = [engine.submit(p, GREEDY) for p in PROMPTS[:20]]
+    engine.shutdown(wait=True)
+    outs = [s.result(timeout=0) for s in streams]
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference[:20]]
+
+
+def test_a_failing_step_fails_every_stream(engine, monkeypatch):
+    runner, calls = engine.engine.runner, []
+    real_run = runner.run
+
+    def flaky_run(batch):
+        calls.append(len(batch))
+        if len(calls) == 3:
+            raise RuntimeError("boom")
+        return real_run(batch)
+
+    monkeypatch.setattr(runner, "run", flaky_run)
+    streams = [engine.submit(p, LONG) for p in PROMPTS[:10]]
+    for stream in streams:
+        with pytest.raises(EngineError, match="boom") as info:
+            stream.result(timeout=30)
+        assert isinstance(info.value.__cause__, RuntimeError)
+        with pytest.raises(EngineError):
+            list(stream)
+    with pytest.raises(EngineError, match="boom"):
+        engine.submit(PROMPTS[0], GREEDY)
+    engine._thread.join(timeout=5)
+    assert not engine.is_running
+
+
+def test_an_idle_engine_thread_sleeps(engine):
+    engine.submit(PROMPTS[0], GREEDY).result(timeout=30)
+    time.sleep(0.1)
+    cpu = time.process_time()
+    time.sleep(0.5)
+    assert time.process_time() - cpu < 0.1  # a spinning loop would burn ~0.5 s
+    assert engine.is_running
+
+
+def test_asyncio_streams_tokens_in_order(engine, reference):
+    async def collect(i: int):
+        return [chunk async for chunk in engine.stream(PROMPTS[i], GREEDY)]
+
+    async def main():
+        all_chunks = await asyncio.gather(*(collect(i) for i in range(12)))
+        for i, chunks in enumerate(all_chunks):
+            out = chunks[-1].output
+            assert chunks[-1].finished and out.token_ids == reference[i].token_ids
+            assert [t for c in chunks for t in c.token_ids] == out.token_ids
+            assert "".join(c.text for c in chunks) == out.text == reference[i].text
+        out = await engine.generate(PROMPTS[5], GREEDY)
+        assert out.token_ids == reference[5].token_ids
+        with pytest.raises(ValueError):
+            engine.stream("", GREEDY)
+        # leaving the loop early aborts the request: nobody would read its tokens
+        stream = engine.stream(PROMPTS[2], LONG)
+        async for _ in stream:
+            break
+        for _ in range(100):
+            if stream.stream.done:
+                break
+            await asyncio.sleep(0.05)
+        assert stream.stream.result(timeout=0).finish_reason == "abort"
+
+    asyncio.run(main())
+
+
+def test_stop_strings_are_never_streamed(engine, reference):
+    text = reference[1].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]  # cut the known output in the middle
+    params = SamplingParams(temperature=0, max_tokens=8, stop=[stop])
+    chunks = list(engine.submit(PROMPTS[1], params))
+    out = chunks[-1].output
+    assert out.finish_reason == "stop" and out.text == text[: text.index(stop)]
+    assert "".join(c.text for c in chunks) == out.text
+
+
+def test_incremental_detokenizer_matches_a_full_decode(engine):
+    from nanovllm.outputs import IncrementalDetokenizer
+
+    tok = engine.engine.tokenizer
+    ids = tok.encode("héllo 🙂 wörld, 日本語 text\n\tend")
+    detok = IncrementalDetokenizer(tok)
+    pieces = [detok.push([t]) for t in ids]
+    assert "".join(pieces) + detok.finish(tok.decode(ids)) == tok.decode(ids)
+    assert "\ufffd" not in "".join(pieces)  # half characters are held until complete
