@@ -74,7 +74,7 @@ demo: weights
 test: weights
 	$(PY) -m pytest tests -m "not gpu"
 ifneq ($(NOTEBOOKS),)
-	$(PY) -m pytest --nbval chapters/ $(NBVAL)
+	NANOVLLM_KEEP_FIGURES=1 $(PY) -m pytest --nbval chapters/ $(NBVAL)
 else
 	@echo "no chapters/*.ipynb yet: nbval skipped"
 endif

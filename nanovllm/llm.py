@@ -67,11 +67,16 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         if not conversations:
             raise ValueError("no messages given")
-        prompts = [
+        texts = [
             self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False)
             for c in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        # The template already holds any start-of-text token: don't let encode add another.
+        prompts = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        for out, text in zip(outputs, texts):
+            out.prompt = text
+        return outputs
 
 
 def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:

@@ -114,7 +114,11 @@ class ModelRunner:
             budget = CPU_KV_CACHE_BYTES
         blocks = int(budget // self.kv_bytes_per_block())
         if blocks < 1:
-            raise ValueError("the KV-cache budget does not hold a single block")
+            raise ValueError(
+                f"the KV-cache budget ({budget / 2**30:.2f} GiB) does not hold one block; on a "
+                "GPU another engine in this process may hold the memory (delete it), or pass "
+                "num_kv_blocks= or kv_cache_memory= explicitly"
+            )
         return blocks
 
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:

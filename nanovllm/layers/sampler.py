@@ -34,10 +34,12 @@ def filter_logits(
     """Set to -inf every logit outside each row's top-k, top-p nucleus and min-p floor."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     rank = torch.arange(logits.shape[-1], device=logits.device)
-    drop = rank[None, :] >= top_k[:, None]
+    sorted_logits = sorted_logits.masked_fill(rank[None, :] >= top_k[:, None], float("-inf"))
+    # top-p and min-p see the distribution renormalised after the top-k cut (as in vLLM).
     probs = sorted_logits.softmax(dim=-1)
     # Keep a token while the mass *before* it is below top_p: the top token always stays.
-    drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    # (top_p = 1 must keep everything, even where the fp32 running sum creeps past 1.)
+    drop = ((probs.cumsum(dim=-1) - probs) >= top_p[:, None]) & (top_p[:, None] < 1)
     drop |= probs < min_p[:, None] * probs[:, :1]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

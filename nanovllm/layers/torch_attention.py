@@ -70,6 +70,10 @@ def decode_attention(
     k = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, d]
     v = v_cache[tables].flatten(1, 2).transpose(1, 2)
     valid = torch.arange(k.shape[2], device=q.device)[None, :] < seq_lens[:, None]
+    # Rows past a sequence's end hold whatever the block held before; zero them, since a
+    # stale NaN would survive the mask (0 * NaN = NaN).
+    hidden = ~valid[:, None, :, None]
+    k, v = k.masked_fill(hidden, 0), v.masked_fill(hidden, 0)
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2), k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
     )

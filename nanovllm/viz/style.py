@@ -9,14 +9,23 @@ means the same thing from figure to figure (e.g. "ours" is always the first colo
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 # Okabe-Ito: distinguishable with the common colour-vision deficiencies and in greyscale print.
 # Yellow comes last because it is faint on white.
-BOOK_COLORS = ["#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#000000",
-               "#F0E442"]
+BOOK_COLORS = [
+    "#0072B2",
+    "#E69F00",
+    "#009E73",
+    "#D55E00",
+    "#CC79A7",
+    "#56B4E9",
+    "#000000",
+    "#F0E442",
+]
 
 
 def book_rc() -> dict[str, Any]:
@@ -78,9 +87,13 @@ def save_figure(fig: Any, name: str) -> Path:
     """Write `fig` to `figures/<name>.png` and return the path; the figure stays open for display.
 
     The PNG carries no matplotlib version stamp, so re-running a chapter with another matplotlib
-    does not change a committed figure whose pixels are the same.
+    does not change a committed figure whose pixels are the same. With
+    ``NANOVLLM_KEEP_FIGURES=1`` (set by ``make test``) nothing is written: checking the notebooks
+    must not overwrite the committed figures with the test run's timings.
     """
     path = figures_dir() / f"{name.removesuffix('.png')}.png"
+    if os.environ.get("NANOVLLM_KEEP_FIGURES") == "1":
+        return path
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, metadata={"Software": None})
     return path
