@@ -770,6 +770,8 @@ def top_k_small(z: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def top_p_small(z: torch.Tensor, top_p: float) -> torch.Tensor:
+    if top_p >= 1:  # disabled (in fp32 the running sum can creep past 1 and cut the tail)
+        return z
     probs, order = z.softmax(-1).sort(descending=True)
     n_keep = int(((probs.cumsum(0) - probs) < top_p).sum())  # mass before each token < top_p
     keep = torch.zeros_like(z, dtype=torch.bool)
@@ -783,11 +785,11 @@ def min_p_small(z: torch.Tensor, min_p: float) -> torch.Tensor:
 
 
 # %% [markdown]
-# The package does all three at once for a whole batch, each row with its own settings, with
-# one sort (`filter_logits` in `nanovllm/layers/sampler.py`). Each filter is computed on the
-# same (temperature-scaled) distribution and a token survives only if it passes all three.
-# (This differs slightly from `transformers`, which applies them one after another and
-# renormalises in between, so its top-p, when combined with top-k, sees the top-k tokens only.)
+# The package does all three for a whole batch, each row with its own settings, with one sort
+# (`filter_logits` in `nanovllm/layers/sampler.py`). Like vLLM and `transformers`, it applies
+# them one after another: top-k first, then top-p and min-p on the distribution renormalised
+# over the top-k survivors (for min-p the renormalisation changes nothing, since it compares
+# each probability with the largest one).
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -819,11 +821,13 @@ for name, (args, small) in cases.items():
     assert torch.equal(ours, theirs), name
     kept = torch.isfinite(theirs).sum(-1)
     print(f"{name}: identical on all {rows} rows (tokens kept per row: {kept.min()}..{kept.max()})")
-# all three at once = the intersection of the three masks
+# all three at once = top-k, then top-p and min-p on what survives
 both = filter_logits(Z, ks, ps, ms)
-masks = [torch.isfinite(filter_logits(Z, *args)) for args, _ in cases.values()]
-print("all three together keep the intersection:",
-      torch.equal(torch.isfinite(both), masks[0] & masks[1] & masks[2]))
+chained = torch.stack([
+    min_p_small(top_p_small(top_k_small(Z[r], int(ks[r])), float(ps[r])), float(ms[r]))
+    for r in range(rows)
+])
+print("all three together = top-k, then top-p, then min-p:", torch.equal(both, chained))
 
 # %% [markdown]
 # ### 2.3 Sampling with the Gumbel-max trick
@@ -884,9 +888,8 @@ show_source(Sampler, inspect.getmodule(Sampler).exponential_noise)
 def sample_small(z, n, temperature, top_k, top_p, min_p, generator):
     """n draws from one row of logits z [V], with this section's small functions."""
     scaled = z / temperature
-    keep = (torch.isfinite(top_k_small(scaled, top_k)) & torch.isfinite(top_p_small(scaled, top_p))
-            & torch.isfinite(min_p_small(scaled, min_p)))
-    probs = scaled.masked_fill(~keep, NEG_INF).softmax(-1)
+    filtered = min_p_small(top_p_small(top_k_small(scaled, top_k), top_p), min_p)
+    probs = filtered.softmax(-1)
     return gumbel_max_small(probs.expand(n, -1).contiguous(), generator)
 
 
@@ -1279,8 +1282,8 @@ print("Exercise 4 passed: frequencies match softmax(logits) within 0.01 over 60,
 #   parameter's `weight_loader` puts a shard in place, so `load_safetensors` is one generic loop.
 #   Loaded into the package's model, SmolLM2 gives the same logits as `transformers` up to fp32
 #   rounding, and the same greedy token at every position.
-# - Sampling: temperature reshapes, top-k / top-p / min-p truncate (in the package, as one
-#   intersection computed from a single sort), and the **Gumbel-max exponential race**
+# - Sampling: temperature reshapes, top-k / top-p / min-p truncate (in the package, top-k
+#   first, then top-p and min-p on the renormalised survivors, from a single sort), and the **Gumbel-max exponential race**
 #   `argmax(p / E)` draws from the result with no cumulative sum. Frequencies over 200,000
 #   draws match the probabilities, and filtered tokens never appear.
 # - In the engine, `SamplingParams` set all this per request; a `seed` gives a request its own
