@@ -96,10 +96,14 @@ lint: $(SETUP)
 
 # On a GPU the stored (CPU) outputs differ, so chapters run in lax mode: every cell must run,
 # and only cells marked `# NBVAL_CHECK_OUTPUT` are compared.
+# GPU tests, a short benchmark (decode step eager vs CUDA graphs; 64 requests of the nano-vllm
+# workload), then every chapter executed in lax mode.
 test-gpu: weights
 	$(PY) -m pytest -m gpu tests || [ $$? -eq 5 ]  # 5: no GPU tests collected
+	$(PY) -m nanovllm.bench --decode-step
+	$(PY) -m nanovllm.bench --model qwen3-0.6b --num-requests 64
 ifneq ($(NOTEBOOKS),)
-	$(PY) -m pytest --nbval-lax chapters/ $(NBVAL)
+	NANOVLLM_KEEP_FIGURES=1 $(PY) -m pytest --nbval-lax chapters/ $(NBVAL)
 endif
 
 bench: $(SETUP)
