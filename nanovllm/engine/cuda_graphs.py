@@ -30,11 +30,13 @@ class DecodeGraphs:
         model: torch.nn.Module,
         max_batch: int,
         max_blocks: int,
+        block_size: int,
         hidden_size: int,
         device: torch.device,
         dtype: torch.dtype,
     ) -> None:
         self.model = model
+        self.max_len = max_blocks * block_size
         self.buckets = batch_buckets(max_batch)
         top = self.buckets[-1]
         zeros = lambda *shape, dt=torch.int32: torch.zeros(shape, dtype=dt, device=device)  # noqa: E731
@@ -55,10 +57,10 @@ class DecodeGraphs:
             seq_lens_k=self.seq_lens[:bs],
             block_tables=self.block_tables[:bs],
             max_seqlen_q=1,
-            max_seqlen_k=self.block_tables.shape[1],
+            max_seqlen_k=self.max_len,  # a bound: the real lengths change at every replay
             num_decodes=bs,
             cu_seqlens_q_host=list(range(bs + 1)),
-            seq_lens_k_host=[0] * bs,
+            seq_lens_k_host=[self.max_len] * bs,  # likewise; graph backends read the device copy
         )
 
     @torch.inference_mode()

@@ -64,6 +64,7 @@ class ModelRunner:
                 self.model,
                 config.max_num_seqs,
                 max_blocks,
+                self.block_size,
                 model_config.hidden_size,
                 self.device,
                 self.dtype,
