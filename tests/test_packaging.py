@@ -57,4 +57,4 @@ def test_torch_is_a_range_not_a_build_pin() -> None:
 def test_package_data_and_python_floor() -> None:
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert config["project"]["requires-python"] == ">=3.10"
-    assert "configs/*.json" in config["tool"]["setuptools"]["package-data"]["nanovllm"]
+    assert "configs/*/config.json" in config["tool"]["setuptools"]["package-data"]["nanovllm"]
