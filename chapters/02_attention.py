@@ -81,17 +81,11 @@ from nanovllm.configs import config_path
 from nanovllm.context import AttentionMetadata
 from nanovllm.layers import torch_attention
 from nanovllm.models import ModelConfig
-from nanovllm.viz import BOOK_COLORS, figures_dir, save_figure, use_book_style
+from nanovllm.viz import BOOK_COLORS, figures_dir, save_figure, show_source, use_book_style
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 torch.manual_seed(0)
 use_book_style()
-
-
-def show_source(*objects) -> None:
-    """Render the source of package objects as one highlighted code block."""
-    source = "\n".join(inspect.getsource(obj) for obj in objects)
-    display(Markdown(f"```python\n{source}```"))
 
 
 def check(name: str, ours: torch.Tensor, theirs: torch.Tensor, tol: float) -> None:

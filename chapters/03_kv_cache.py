@@ -55,30 +55,22 @@
 # they show code that keeps evolving).
 
 # %%
-import inspect
 import time
 
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
-from IPython.display import Markdown, display
 
 from nanovllm import LLM, SamplingParams, smollm2_path
 from nanovllm.context import attention_metadata
 from nanovllm.models import ModelConfig, get_model_class
-from nanovllm.viz import BOOK_COLORS, save_figure, use_book_style
+from nanovllm.viz import BOOK_COLORS, save_figure, show_source, use_book_style
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 if device == "cpu":
     torch.set_num_threads(1)
 torch.manual_seed(0)
 use_book_style()
-
-
-def show_source(*objects) -> None:
-    """Render the source of package objects as one highlighted code block."""
-    source = "\n".join(inspect.getsource(obj) for obj in objects)
-    display(Markdown(f"```python\n{source}```"))
 
 
 def sync() -> None:

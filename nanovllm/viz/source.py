@@ -1,0 +1,18 @@
+"""``show_source``: how every chapter shows the package's own code (DESIGN.md §5).
+
+A chapter builds a component small, then prints the package's version with this helper and
+proves the two agree; the package stays the only home of engine code.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+
+def show_source(*objects: Any) -> None:
+    """Render the source of package objects in a notebook as one highlighted code block."""
+    from IPython.display import Markdown, display
+
+    source = "\n".join(inspect.getsource(obj) for obj in objects)
+    display(Markdown(f"```python\n{source}```"))
