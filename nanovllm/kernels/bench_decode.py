@@ -119,8 +119,10 @@ def make_case(batch: int, ctx: int, block_size: int, gen: torch.Generator):
     k_cache = torch.empty(shape, dtype=DTYPE, device="cuda").normal_(generator=gen)
     v_cache = torch.empty(shape, dtype=DTYPE, device="cuda").normal_(generator=gen)
     order = torch.randperm(num_blocks, device="cuda", generator=gen).to(torch.int32)
-    tables = [order[i * needed:(i + 1) * needed].view(batch, blocks_per_seq).contiguous()
-              for i in range(rotation)]
+    tables = [
+        order[i * needed : (i + 1) * needed].view(batch, blocks_per_seq).contiguous()
+        for i in range(rotation)
+    ]
     q = torch.empty(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda").normal_(generator=gen)
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     return q, k_cache, v_cache, seq_lens, tables
@@ -138,8 +140,8 @@ def reference(q, k, v, scale, chunk: int = 16) -> torch.Tensor:
     group = NUM_HEADS // NUM_KV_HEADS
     outs = []
     for s in range(0, q.shape[0], chunk):
-        qs = q[s:s + chunk].float().view(-1, NUM_KV_HEADS, group, HEAD_DIM)
-        ks, vs = k[s:s + chunk].float(), v[s:s + chunk].float()
+        qs = q[s : s + chunk].float().view(-1, NUM_KV_HEADS, group, HEAD_DIM)
+        ks, vs = k[s : s + chunk].float(), v[s : s + chunk].float()
         p = torch.einsum("bkgd,bkld->bkgl", qs, ks).mul_(scale).softmax(dim=-1)
         outs.append(torch.einsum("bkgl,bkld->bkgd", p, vs).reshape(-1, NUM_HEADS, HEAD_DIM))
     return torch.cat(outs)
@@ -158,10 +160,17 @@ def sdpa_peers():
         from torch.nn.attention import SDPBackend
     except ImportError:
         return [("default", None, False)]
-    names = [("cudnn", "CUDNN_ATTENTION", False), ("flash", "FLASH_ATTENTION", False),
-             ("efficient", "EFFICIENT_ATTENTION", False), ("cudnn_mha", "CUDNN_ATTENTION", True)]
-    return [(name, getattr(SDPBackend, attr), expand) for name, attr, expand in names
-            if hasattr(SDPBackend, attr)]
+    names = [
+        ("cudnn", "CUDNN_ATTENTION", False),
+        ("flash", "FLASH_ATTENTION", False),
+        ("efficient", "EFFICIENT_ATTENTION", False),
+        ("cudnn_mha", "CUDNN_ATTENTION", True),
+    ]
+    return [
+        (name, getattr(SDPBackend, attr), expand)
+        for name, attr, expand in names
+        if hasattr(SDPBackend, attr)
+    ]
 
 
 def bench_sdpa(q, contiguous_kv, scale, ref, io_bytes):
@@ -182,6 +191,7 @@ def bench_sdpa(q, contiguous_kv, scale, ref, io_bytes):
                 return torch.nn.functional.scaled_dot_product_attention(
                     q4, k, v, scale=scale, enable_gqa=not expand
                 )
+
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # "kernel not used because ..." chatter
@@ -194,16 +204,21 @@ def bench_sdpa(q, contiguous_kv, scale, ref, io_bytes):
             results[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"}
             continue
         nbytes = io_bytes + extra
-        results[name] = {**timing, "rel_err": err, "bytes": nbytes,
-                         "bytes_per_s": nbytes / (timing["us"] * 1e-6)}
+        results[name] = {
+            **timing,
+            "rel_err": err,
+            "bytes": nbytes,
+            "bytes_per_s": nbytes / (timing["us"] * 1e-6),
+        }
     return results
 
 
 def bench_shape(batch, ctx, block_size, copy_bw, gen, with_sdpa: bool, sweep_splits: bool):
     q, k_cache, v_cache, seq_lens, tables = make_case(batch, ctx, block_size, gen)
     scale = HEAD_DIM**-0.5
-    splits = choose_num_splits(batch, NUM_KV_HEADS, tables[0].shape[1] * block_size,
-                               _num_sms(q.device))
+    splits = choose_num_splits(
+        batch, NUM_KV_HEADS, tables[0].shape[1] * block_size, _num_sms(q.device)
+    )
 
     def decode(table, ns=None):
         return decode_attention(q, k_cache, v_cache, seq_lens, table, scale, ns)
@@ -226,10 +241,17 @@ def bench_shape(batch, ctx, block_size, copy_bw, gen, with_sdpa: bool, sweep_spl
         bw = io_bytes / (timing["us"] * 1e-6)
         return {**timing, "bytes_per_s": bw, "frac_copy": bw / copy_bw}
 
-    row = {"batch": batch, "ctx": ctx, "block_size": block_size, "num_splits": splits,
-           "rotation": len(tables), "bytes": io_bytes,
-           "rel_err": rel_err(decode(tables[0]), refs[0]), **timed(None),
-           "host_us": host_us_per_call(functools.partial(decode, tables[0]))}
+    row = {
+        "batch": batch,
+        "ctx": ctx,
+        "block_size": block_size,
+        "num_splits": splits,
+        "rotation": len(tables),
+        "bytes": io_bytes,
+        "rel_err": rel_err(decode(tables[0]), refs[0]),
+        **timed(None),
+        "host_us": host_us_per_call(functools.partial(decode, tables[0])),
+    }
     if sweep_splits:
         row["sweep"] = {ns: timed(ns) for ns in (1, 2, 4, 8, 16, 32)}
     if with_sdpa:
@@ -245,8 +267,11 @@ def main(argv=None):
     parser.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS))
     parser.add_argument("--block-sizes", type=int, nargs="+", default=list(BLOCK_SIZES))
     parser.add_argument("--no-sdpa", action="store_true", help="skip the SDPA peer")
-    parser.add_argument("--sweep-splits", action="store_true",
-                        help="also time num_splits 1..32 (for tuning the automatic rule)")
+    parser.add_argument(
+        "--sweep-splits",
+        action="store_true",
+        help="also time num_splits 1..32 (for tuning the automatic rule)",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_decode needs a CUDA GPU (the interpreter would measure the CPU)")
@@ -258,16 +283,23 @@ def main(argv=None):
     for block_size in args.block_sizes:
         for ctx in args.contexts:
             for batch in args.batches:
-                row = bench_shape(batch, ctx, block_size, copy_bw, gen,
-                                  not args.no_sdpa, args.sweep_splits)
+                row = bench_shape(
+                    batch, ctx, block_size, copy_bw, gen, not args.no_sdpa, args.sweep_splits
+                )
                 rows.append(row)
                 torch.cuda.empty_cache()  # the case's caches died with bench_shape's frame
-                print(f"bs={block_size:3d} ctx={ctx:4d} B={batch:3d}: {row['us']:8.1f} us "
-                      f"{row['bytes_per_s'] / 1e12:5.2f} TB/s ({row['frac_copy']:.0%}) "
-                      f"[{row['timing']}; host {row['host_us']:.0f} us/call]", flush=True)
+                print(
+                    f"bs={block_size:3d} ctx={ctx:4d} B={batch:3d}: {row['us']:8.1f} us "
+                    f"{row['bytes_per_s'] / 1e12:5.2f} TB/s ({row['frac_copy']:.0%}) "
+                    f"[{row['timing']}; host {row['host_us']:.0f} us/call]",
+                    flush=True,
+                )
                 if "sweep" in row:
-                    print("    splits: " + "  ".join(
-                        f"{ns}: {t['us']:.1f}" for ns, t in row["sweep"].items()), flush=True)
+                    print(
+                        "    splits: "
+                        + "  ".join(f"{ns}: {t['us']:.1f}" for ns, t in row["sweep"].items()),
+                        flush=True,
+                    )
 
     result = {
         "device": torch.cuda.get_device_name(),
@@ -276,10 +308,15 @@ def main(argv=None):
         "torch": torch.__version__,
         "triton": triton.__version__,
         "python": platform.python_version(),
-        "command": " ".join(["python -m nanovllm.kernels.bench_decode",
-                             *(sys.argv[1:] if argv is None else argv)]),
-        "shape": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
-                  "dtype": str(DTYPE).removeprefix("torch.")},
+        "command": " ".join(
+            ["python -m nanovllm.kernels.bench_decode", *(sys.argv[1:] if argv is None else argv)]
+        ),
+        "shape": {
+            "num_heads": NUM_HEADS,
+            "num_kv_heads": NUM_KV_HEADS,
+            "head_dim": HEAD_DIM,
+            "dtype": str(DTYPE).removeprefix("torch."),
+        },
         "copy_bytes_per_s": copy_bw,
         "rows": rows,
     }
@@ -291,15 +328,19 @@ def main(argv=None):
 
 def print_table(result):
     copy_bw = result["copy_bytes_per_s"]
-    print(f"\n{result['device']}, copy {copy_bw / 1e12:.2f} TB/s; Qwen3-0.6B attention shape, "
-          "bf16; device us per call (CUDA graph); TB/s = (K + V + q + out bytes) / time")
+    print(
+        f"\n{result['device']}, copy {copy_bw / 1e12:.2f} TB/s; Qwen3-0.6B attention shape, "
+        "bf16; device us per call (CUDA graph); TB/s = (K + V + q + out bytes) / time"
+    )
     header = f"{'bs':>4} {'ctx':>5} {'B':>4} {'splits':>6} {'ours us':>9} {'TB/s':>6} {'%copy':>6}"
     names = sorted({n for r in result["rows"] for n in r.get("sdpa", {})})
     header += "".join(f" {n + ' us':>13}" for n in names)
     print(header)
     for r in result["rows"]:
-        line = (f"{r['block_size']:>4} {r['ctx']:>5} {r['batch']:>4} {r['num_splits']:>6} "
-                f"{r['us']:>9.1f} {r['bytes_per_s'] / 1e12:>6.2f} {r['frac_copy']:>6.0%}")
+        line = (
+            f"{r['block_size']:>4} {r['ctx']:>5} {r['batch']:>4} {r['num_splits']:>6} "
+            f"{r['us']:>9.1f} {r['bytes_per_s'] / 1e12:>6.2f} {r['frac_copy']:>6.0%}"
+        )
         for n in names:
             peer = r.get("sdpa", {}).get(n, {})
             line += f" {peer['us']:>13.1f}" if "us" in peer else f" {'-':>13}"

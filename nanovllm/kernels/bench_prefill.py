@@ -61,8 +61,9 @@ def build_case(seqs, block_size, dtype, shape=QWEN3_0_6B, seed=0, device="cuda")
     num_blocks = sum(blocks_per_seq)
     order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
     block_tables = torch.full((num_seqs, max(blocks_per_seq)), -1, dtype=torch.int32)
-    k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, device=device,
-                          dtype=dtype)
+    k_cache = torch.zeros(
+        num_blocks, block_size, num_kv_heads, head_dim, device=device, dtype=dtype
+    )
     v_cache = torch.zeros_like(k_cache)
     cu_k = [0, *accumulate(kl for _, kl in seqs)]
     for b, (_, kl) in enumerate(seqs):
@@ -75,12 +76,17 @@ def build_case(seqs, block_size, dtype, shape=QWEN3_0_6B, seed=0, device="cuda")
         v_cache[blocks, rows] = v[cu_k[b] : cu_k[b + 1]]
     int32 = dict(dtype=torch.int32, device=device)
     return dict(
-        q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache,
+        q=q,
+        k=k,
+        v=v,
+        k_cache=k_cache,
+        v_cache=v_cache,
         cu_seqlens_q=torch.tensor([0, *accumulate(ql for ql, _ in seqs)], **int32),
         cu_seqlens_k=torch.tensor(cu_k, **int32),
         seq_lens_k=torch.tensor([kl for _, kl in seqs], **int32),
         block_tables=block_tables.to(device),
-        max_seqlen_q=max(q for q, _ in seqs), max_seqlen_k=max(kl for _, kl in seqs),
+        max_seqlen_q=max(q for q, _ in seqs),
+        max_seqlen_k=max(kl for _, kl in seqs),
         scale=head_dim**-0.5,
     )
 
@@ -130,15 +136,30 @@ def varlen_peers(case):
         extra["is_causal"] = True
     peers = {
         "varlen_attn": lambda: varlen_attn(
-            case["q"], case["k"], case["v"], case["cu_seqlens_q"], case["cu_seqlens_k"],
-            case["max_seqlen_q"], case["max_seqlen_k"], scale=case["scale"], **extra,
+            case["q"],
+            case["k"],
+            case["v"],
+            case["cu_seqlens_q"],
+            case["cu_seqlens_k"],
+            case["max_seqlen_q"],
+            case["max_seqlen_k"],
+            scale=case["scale"],
+            **extra,
         )
     }
     if "block_table" in params and "seqused_k" in params:
         peers["varlen_attn_paged"] = lambda: varlen_attn(
-            case["q"], case["k_cache"], case["v_cache"], case["cu_seqlens_q"], None,
-            case["max_seqlen_q"], case["max_seqlen_k"], scale=case["scale"],
-            seqused_k=case["seq_lens_k"], block_table=case["block_tables"], **extra,
+            case["q"],
+            case["k_cache"],
+            case["v_cache"],
+            case["cu_seqlens_q"],
+            None,
+            case["max_seqlen_q"],
+            case["max_seqlen_k"],
+            scale=case["scale"],
+            seqused_k=case["seq_lens_k"],
+            block_table=case["block_tables"],
+            **extra,
         )
     return peers
 
@@ -171,19 +192,36 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
-SWEEP = [(64, 32, 4, 2), (64, 32, 4, 3), (64, 16, 4, 2), (64, 32, 8, 2), (64, 64, 4, 2),
-         (128, 32, 4, 2), (128, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 3)]
+SWEEP = [
+    (64, 32, 4, 2),
+    (64, 32, 4, 3),
+    (64, 16, 4, 2),
+    (64, 32, 8, 2),
+    (64, 64, 4, 2),
+    (128, 32, 4, 2),
+    (128, 64, 4, 2),
+    (128, 64, 4, 3),
+    (128, 64, 8, 3),
+]
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="write the results as JSON to this path")
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[256, 16])
-    parser.add_argument("--shape", type=int, nargs=3, default=list(QWEN3_0_6B),
-                        metavar=("HEADS", "KV_HEADS", "HEAD_DIM"),
-                        help="attention shape (default Qwen3-0.6B: 16 8 128; SmolLM2: 9 3 64)")
-    parser.add_argument("--sweep", action="store_true",
-                        help="also time a few (BLOCK_M, BLOCK_N, num_warps, num_stages)")
+    parser.add_argument(
+        "--shape",
+        type=int,
+        nargs=3,
+        default=list(QWEN3_0_6B),
+        metavar=("HEADS", "KV_HEADS", "HEAD_DIM"),
+        help="attention shape (default Qwen3-0.6B: 16 8 128; SmolLM2: 9 3 64)",
+    )
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also time a few (BLOCK_M, BLOCK_N, num_warps, num_stages)",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_prefill needs a CUDA GPU")
@@ -199,16 +237,30 @@ def main(argv=None) -> dict:
     result = {
         "device": torch.cuda.get_device_name(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__, "triton": triton.__version__,
-        "command": " ".join(["python -m nanovllm.kernels.bench_prefill",
-                             *(argv if argv is not None else sys.argv[1:])]),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "command": " ".join(
+            [
+                "python -m nanovllm.kernels.bench_prefill",
+                *(argv if argv is not None else sys.argv[1:]),
+            ]
+        ),
         "workload": {
-            "num_prompts": len(lens), "total_tokens": sum(lens), "num_heads": num_heads,
-            "num_kv_heads": num_kv_heads, "head_dim": head_dim, "dtype": "bfloat16",
-            "flops": flops, "flops_formula": "4*head_dim*num_heads*sum(q*(k-q) + q*(q+1)/2)",
+            "num_prompts": len(lens),
+            "total_tokens": sum(lens),
+            "num_heads": num_heads,
+            "num_kv_heads": num_kv_heads,
+            "head_dim": head_dim,
+            "dtype": "bfloat16",
+            "flops": flops,
+            "flops_formula": "4*head_dim*num_heads*sum(q*(k-q) + q*(q+1)/2)",
         },
-        "tiles": dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"),
-                          default_tiles(head_dim, torch.device("cuda")))),
+        "tiles": dict(
+            zip(
+                ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"),
+                default_tiles(head_dim, torch.device("cuda")),
+            )
+        ),
         "correctness_rel_err_vs_sdpa_fp32": check_correctness(shape),
         "runs": [],
     }

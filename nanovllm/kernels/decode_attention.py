@@ -43,15 +43,8 @@ import math
 import os
 
 import torch
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "nanovllm.kernels.decode_attention needs Triton (`pip install triton`). Without it, use "
-        "the 'torch' attention backend (EngineConfig(attention_backend='torch'))."
-    ) from exc
+import triton  # nanovllm/kernels/__init__.py explains a missing triton
+import triton.language as tl
 
 __all__ = ["decode_attention", "choose_num_splits"]
 
@@ -69,18 +62,37 @@ MAX_SPLITS = 32
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, seq_lens_ptr, block_tables_ptr,
-    out_ptr, m_ptr, l_ptr, acc_ptr,
-    qk_scale, num_splits,
-    stride_qb, stride_qh,
-    stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    out_ptr,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    qk_scale,
+    num_splits,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
     stride_bt,
-    stride_ob, stride_oh,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    stride_ob,
+    stride_oh,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -101,7 +113,8 @@ def _decode_split_kernel(
     d_mask = d < HEAD_DIM
     q = tl.load(
         q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-        mask=g_mask[:, None] & d_mask[None, :], other=0.0,
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
     )
     if DOT_FP32:
         q = q.to(tl.float32)
@@ -121,14 +134,22 @@ def _decode_split_kernel(
         row = t % PAGE
         kv_mask = t_mask[:, None] & d_mask[None, :]
         k = tl.load(
-            k_cache_ptr + block[:, None] * stride_kb + row[:, None] * stride_kt
-            + kv_head * stride_kh + d[None, :],
-            mask=kv_mask, other=0.0,
+            k_cache_ptr
+            + block[:, None] * stride_kb
+            + row[:, None] * stride_kt
+            + kv_head * stride_kh
+            + d[None, :],
+            mask=kv_mask,
+            other=0.0,
         )
         v = tl.load(
-            v_cache_ptr + block[:, None] * stride_vb + row[:, None] * stride_vt
-            + kv_head * stride_vh + d[None, :],
-            mask=kv_mask, other=0.0,
+            v_cache_ptr
+            + block[:, None] * stride_vb
+            + row[:, None] * stride_vt
+            + kv_head * stride_vh
+            + d[None, :],
+            mask=kv_mask,
+            other=0.0,
         )
         if DOT_FP32:
             k = k.to(tl.float32)
@@ -150,7 +171,8 @@ def _decode_split_kernel(
         out = acc / l_safe[:, None]
         tl.store(
             out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
-            out.to(out_ptr.dtype.element_ty), mask=out_mask,
+            out.to(out_ptr.dtype.element_ty),
+            mask=out_mask,
         )
     else:
         # Partials, fp32: m/l [B, H, num_splits], acc [B, H, num_splits, D_PAD], contiguous.
@@ -162,10 +184,16 @@ def _decode_split_kernel(
 
 @triton.jit
 def _combine_splits_kernel(
-    m_ptr, l_ptr, acc_ptr, out_ptr,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    out_ptr,
     num_splits,
-    stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -185,7 +213,8 @@ def _combine_splits_kernel(
     l_sum = tl.sum(w * l, 0)
     out = tl.sum(w[:, None] * acc, 0) / tl.where(l_sum > 0.0, l_sum, 1.0)
     tl.store(
-        out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+        out_ptr + b * stride_ob + h * stride_oh + d,
+        out.to(out_ptr.dtype.element_ty),
         mask=d < HEAD_DIM,
     )
 
@@ -283,27 +312,52 @@ def decode_attention(
     dot_fp32 = k_cache.dtype == torch.float32 or (k_cache.dtype == torch.bfloat16 and not on_gpu)
 
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, seq_lens, block_tables,
-        out, m_part, l_part, acc_part,
-        scale * LOG2E, num_splits,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        q,
+        k_cache,
+        v_cache,
+        seq_lens,
+        block_tables,
+        out,
+        m_part,
+        l_part,
+        acc_part,
+        scale * LOG2E,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, D_PAD=d_pad,
-        PAGE=page, BLOCK_N=block_n,
-        SINGLE_SPLIT=single, DOT_FP32=dot_fp32,
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        D_PAD=d_pad,
+        PAGE=page,
+        BLOCK_N=block_n,
+        SINGLE_SPLIT=single,
+        DOT_FP32=dot_fp32,
         PRECISION="ieee" if dot_fp32 else "tf32",  # fp32: exact products; half inputs ignore it
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     if not single:
         _combine_splits_kernel[(batch, num_heads)](
-            m_part, l_part, acc_part, out,
+            m_part,
+            l_part,
+            acc_part,
+            out,
             num_splits,
-            out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            D_PAD=d_pad,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
             num_warps=4,
         )
     return out

@@ -33,28 +33,35 @@ from __future__ import annotations
 import math
 
 import torch
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError as exc:  # the backend dispatch catches this and keeps the torch path
-    raise ImportError(
-        "nanovllm.kernels.prefill_attention needs the 'triton' package "
-        "(pip install triton); use attention_backend='torch' without it"
-    ) from exc
+import triton  # nanovllm/kernels/__init__.py explains a missing triton
+import triton.language as tl
 
 __all__ = ["prefill_attention", "default_tiles"]
 
 
 @triton.jit
 def _attend_key_tiles(
-    acc, l_i, m_i, q, q_pos,
-    k_base, v_base, table_row, offs_d,
-    n_start, n_end, kv_len,
-    stride_kb, stride_kt, stride_vb, stride_vt,
+    acc,
+    l_i,
+    m_i,
+    q,
+    q_pos,
+    k_base,
+    v_base,
+    table_row,
+    offs_d,
+    n_start,
+    n_end,
+    kv_len,
+    stride_kb,
+    stride_kt,
+    stride_vb,
+    stride_vt,
     qk_scale,
-    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    CAUSAL_MASK: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr,
+    DOT_FP32: tl.constexpr,
 ):
     """Fold the key tiles [n_start, n_end) into the running (acc, l, m) of one query tile."""
     for start_n in range(n_start, n_end, BLOCK_N):
@@ -70,10 +77,12 @@ def _attend_key_tiles(
         else:
             # The tile spans several blocks: one id per key, padding keys masked off.
             block_id = tl.load(table_row + k_pos // BLOCK_SIZE, mask=in_seq, other=0).to(tl.int64)
-            k_ptrs = (k_base + block_id[None, :] * stride_kb + row[None, :] * stride_kt
-                      + offs_d[:, None])
-            v_ptrs = (v_base + block_id[:, None] * stride_vb + row[:, None] * stride_vt
-                      + offs_d[None, :])
+            k_ptrs = (
+                k_base + block_id[None, :] * stride_kb + row[None, :] * stride_kt + offs_d[:, None]
+            )
+            v_ptrs = (
+                v_base + block_id[:, None] * stride_vb + row[:, None] * stride_vt + offs_d[None, :]
+            )
         k_t = tl.load(k_ptrs, mask=in_seq[None, :], other=0.0)  # [HEAD_DIM, BLOCK_N]
         v = tl.load(v_ptrs, mask=in_seq[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
         if DOT_FP32:
@@ -99,16 +108,32 @@ def _attend_key_tiles(
 
 @triton.jit
 def _prefill_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    cu_seqlens_q_ptr, seq_lens_k_ptr, block_tables_ptr,
-    qk_scale, num_m_tiles,
-    stride_qt, stride_qh,
-    stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
-    stride_ot, stride_oh,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    cu_seqlens_q_ptr,
+    seq_lens_k_ptr,
+    block_tables_ptr,
+    qk_scale,
+    num_m_tiles,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
     stride_bt,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr,
 ):
     # Heaviest query tiles (furthest down the diagonal) get the lowest program ids, so
     # they start first and the short ones fill in the tail.
@@ -150,14 +175,50 @@ def _prefill_attention_kernel(
     n_full = ((first_pos + 1) // BLOCK_N) * BLOCK_N
     n_end = prefix_len + tl.minimum((m_tile + 1) * BLOCK_M, q_len)
     acc, l_i, m_i = _attend_key_tiles(
-        acc, l_i, m_i, q, q_pos, k_base, v_base, table_row, offs_d,
-        0, n_full, kv_len, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
-        BLOCK_N, BLOCK_SIZE, False, DOT_FP32,
+        acc,
+        l_i,
+        m_i,
+        q,
+        q_pos,
+        k_base,
+        v_base,
+        table_row,
+        offs_d,
+        0,
+        n_full,
+        kv_len,
+        stride_kb,
+        stride_kt,
+        stride_vb,
+        stride_vt,
+        qk_scale,
+        BLOCK_N,
+        BLOCK_SIZE,
+        False,
+        DOT_FP32,
     )
     acc, l_i, m_i = _attend_key_tiles(
-        acc, l_i, m_i, q, q_pos, k_base, v_base, table_row, offs_d,
-        n_full, n_end, kv_len, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
-        BLOCK_N, BLOCK_SIZE, True, DOT_FP32,
+        acc,
+        l_i,
+        m_i,
+        q,
+        q_pos,
+        k_base,
+        v_base,
+        table_row,
+        offs_d,
+        n_full,
+        n_end,
+        kv_len,
+        stride_kb,
+        stride_kt,
+        stride_vb,
+        stride_vt,
+        qk_scale,
+        BLOCK_N,
+        BLOCK_SIZE,
+        True,
+        DOT_FP32,
     )
 
     out = acc / l_i[:, None]
@@ -269,20 +330,35 @@ def prefill_attention(
     num_m_tiles = triton.cdiv(max_seqlen_q, tile_m)
     grid = (num_m_tiles, num_heads, batch)
     _prefill_attention_kernel[grid](
-        q, k_cache, v_cache, out,
-        cu_seqlens_q, seq_lens_k, block_tables,
-        scale * math.log2(math.e), num_m_tiles,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        out.stride(0), out.stride(1),
+        q,
+        k_cache,
+        v_cache,
+        out,
+        cu_seqlens_q,
+        seq_lens_k,
+        block_tables,
+        scale * math.log2(math.e),
+        num_m_tiles,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        out.stride(0),
+        out.stride(1),
         block_tables.stride(0),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_M=tile_m, BLOCK_N=tile_n,
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=tile_m,
+        BLOCK_N=tile_n,
         # fp32 keeps fp32 dots (IEEE, no TF32). The interpreter computes bf16 wrongly, so
         # there bf16 is upcast after loading; on a GPU bf16/fp16 go to the tensor cores.
         DOT_FP32=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and q.device.type == "cpu"),
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
-

@@ -20,29 +20,34 @@ Runs on a GPU, or on CPU tensors under the Triton interpreter (``TRITON_INTERPRE
 from __future__ import annotations
 
 import torch
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "nanovllm.kernels.store_kv needs Triton (`pip install triton`). Without it, use the "
-        "'torch' attention backend (EngineConfig(attention_backend='torch'))."
-    ) from exc
+import triton  # nanovllm/kernels/__init__.py explains a missing triton
+import triton.language as tl
 
 __all__ = ["store_kv"]
 
 
 @triton.jit
 def _store_kv_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    stride_kn, stride_kh,  # key: [N, H, D], last dim contiguous
-    stride_vn, stride_vh,  # value: [N, H, D], last dim contiguous
-    stride_cb, stride_ct, stride_ch,  # k_cache: [num_blocks, block_size, H, D]
-    stride_db, stride_dt, stride_dh,  # v_cache: same shape, its own strides
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_kn,
+    stride_kh,  # key: [N, H, D], last dim contiguous
+    stride_vn,
+    stride_vh,  # value: [N, H, D], last dim contiguous
+    stride_cb,
+    stride_ct,
+    stride_ch,  # k_cache: [num_blocks, block_size, H, D]
+    stride_db,
+    stride_dt,
+    stride_dh,  # v_cache: same shape, its own strides
     block_size,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    H_PAD: tl.constexpr, D_PAD: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    H_PAD: tl.constexpr,
+    D_PAD: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64)  # i * row stride may pass 2**31
     h = tl.arange(0, H_PAD)
@@ -98,12 +103,24 @@ def store_kv(
     if n == 0:
         return
     _store_kv_kernel[(n,)](
-        key, value, k_cache, v_cache, slot_mapping,
-        key.stride(0), key.stride(1),
-        value.stride(0), value.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         block_size,
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        H_PAD=triton.next_power_of_2(num_kv_heads), D_PAD=triton.next_power_of_2(head_dim),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        H_PAD=triton.next_power_of_2(num_kv_heads),
+        D_PAD=triton.next_power_of_2(head_dim),
     )
