@@ -2,7 +2,8 @@
 
 Each component of the book can be switched on or off from here, so a chapter can measure
 exactly what its component buys: ``attention_backend``, ``enable_prefix_caching``,
-``enable_chunked_prefill``, ``enforce_eager``, ``scheduler_policy`` and the KV budget.
+``enable_chunked_prefill``, ``enforce_eager``, ``async_scheduling``, ``scheduler_policy``
+and the KV budget.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     attention_backend: str = "auto"
     enforce_eager: bool = False  # True disables CUDA graphs
+    # Plan step n+1 on the CPU while the GPU computes step n (chapter 11); None: on for CUDA.
+    async_scheduling: bool | None = None
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None  # KV budget in blocks (overrides the byte budget)
     kv_cache_memory: int | None = None  # KV budget in bytes (CPU default: 1 GiB)
@@ -54,6 +57,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.async_scheduling is None:
+            self.async_scheduling = self.device.startswith("cuda")
         if self.dtype == "auto":
             self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
         if self.dtype not in DTYPES:

@@ -152,15 +152,15 @@ def test_shutdown_with_wait_finishes_every_request(engine, reference):
 
 def test_a_failing_step_fails_every_stream(engine, monkeypatch):
     runner, calls = engine.engine.runner, []
-    real_run = runner.run
+    real_launch = runner.launch
 
-    def flaky_run(batch):
+    def flaky_launch(batch):
         calls.append(len(batch))
         if len(calls) == 3:
             raise RuntimeError("boom")
-        return real_run(batch)
+        return real_launch(batch)
 
-    monkeypatch.setattr(runner, "run", flaky_run)
+    monkeypatch.setattr(runner, "launch", flaky_launch)
     streams = [engine.submit(p, LONG) for p in PROMPTS[:10]]
     for stream in streams:
         with pytest.raises(EngineError, match="boom") as info:

@@ -58,14 +58,17 @@ def _generate(smollm2_dir, **options):
     return llm, [o.token_ids for o in outs]
 
 
-def test_greedy_matches_transformers(smollm2_dir, hf_greedy):
-    _, ours = _generate(smollm2_dir)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_greedy_matches_transformers(smollm2_dir, hf_greedy, async_scheduling):
+    _, ours = _generate(smollm2_dir, async_scheduling=async_scheduling)
     assert ours == hf_greedy
 
 
 def test_greedy_matches_transformers_under_preemption(smollm2_dir, hf_greedy):
     # 40 blocks of 16 tokens cannot hold 16 growing sequences at once.
-    llm, ours = _generate(smollm2_dir, num_kv_blocks=40, enable_prefix_caching=False)
+    llm, ours = _generate(
+        smollm2_dir, num_kv_blocks=40, enable_prefix_caching=False, async_scheduling=True
+    )
     assert llm.engine.scheduler.num_preemptions > 0
     assert ours == hf_greedy
 

@@ -16,9 +16,9 @@ import time
 from nanovllm.config import EngineConfig
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.metrics import EngineStats, TimelineRecorder
-from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.model_runner import InFlight, ModelRunner
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 from nanovllm.models import ModelConfig, get_model_class
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams
@@ -60,6 +60,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config, self.block_manager)
         self.requests: dict[str, Sequence] = {}
+        self._in_flight: tuple[ScheduledBatch, InFlight] | None = None  # async scheduling
         self.stats = EngineStats()
         self.timeline: TimelineRecorder | None = None  # off by default: costs nothing
 
@@ -129,45 +130,84 @@ class LLMEngine:
             return None
         self.scheduler.finish(seq, "abort")
         self.runner.release(seq)
+        while seq.token_ids[-1] == PLACEHOLDER:  # its in-flight token is dropped
+            seq.token_ids.pop()
         return seq
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        if self.scheduler.has_unfinished():
+            return True
+        # A step in flight matters only if a sequence in it still waits for its token.
+        return self._in_flight is not None and not all(
+            s.is_finished for s in self._in_flight[0].seqs
+        )
 
     # -- the loop ------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """Run one engine step; returns the sequences that received tokens in it."""
+        """Run one engine step; returns the sequences that received tokens in it.
+
+        With ``async_scheduling`` a step's tokens arrive one call later: this call queues
+        step n on the GPU, then reads step n-1's tokens while the GPU computes, and the
+        next call schedules step n+1 meanwhile. Step n's sequences hold a placeholder for
+        their newest token until then; the GPU feeds the real one to step n+1 directly.
+        """
         start = time.perf_counter()
         batch = self.scheduler.schedule(start)
-        if not batch.seqs:
-            return []
         # A decode is one new token after the whole prompt; anything else is prefill work
         # (a prompt chunk, or recomputation after a preemption).
         decodes = [
             n == 1 and s.num_computed_tokens >= s.num_prompt_tokens
             for s, n in zip(batch.seqs, batch.num_new_tokens)
         ]
-        tokens = self.runner.run(batch)
+        launched = self._launch(batch) if batch.seqs else None
+        previous, self._in_flight = self._in_flight, launched
+        updated = self._apply(*previous) if previous is not None else []
+        if launched is not None and not self.config.async_scheduling:
+            updated, self._in_flight = self._apply(*launched), None
+        if batch.seqs:
+            self._record_step(batch, decodes, start)
+        return updated
+
+    def _launch(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, InFlight]:
+        in_flight = self.runner.launch(batch)
+        limit = self.config.max_model_len
+        for seq, n, row in zip(batch.seqs, batch.num_new_tokens, in_flight.logit_rows):
+            seq.num_computed_tokens += n
+            if row < 0:
+                continue  # mid-prompt: nothing sampled
+            seq.token_ids.append(PLACEHOLDER)
+            if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= limit:
+                self.scheduler.running.remove(seq)  # done whatever the token: never reschedule
+        return batch, in_flight
+
+    def _apply(self, batch: ScheduledBatch, in_flight: InFlight) -> list[Sequence]:
+        """Write a step's sampled tokens into their sequences and finish those that stop."""
+        tokens = self.runner.collect(in_flight)
         now = time.perf_counter()
         updated = []
-        for seq, n, token in zip(batch.seqs, batch.num_new_tokens, tokens):
-            seq.num_computed_tokens += n
+        for seq, token in zip(batch.seqs, tokens):
+            if seq.is_finished:
+                continue  # stopped (or aborted) while this step ran: its token is dropped
+            if token is not None:
+                # This step's token follows the ones delivered so far; with async
+                # scheduling the next step's placeholder may already stand after it.
+                length = seq.num_prompt_tokens + seq.metrics.num_output_tokens + 1
+                seq.token_ids[length - 1] = token
             self.block_manager.cache_full_blocks(seq)
             if token is None:
-                continue
-            seq.token_ids.append(token)
+                continue  # mid-prompt
             metrics = seq.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
             metrics.last_token_time = now
             metrics.num_output_tokens += 1
-            reason = self._finish_reason(seq, token)
+            reason = self._finish_reason(seq, token, length)
             if reason is not None:
+                del seq.token_ids[length:]
                 self.scheduler.finish(seq, reason)
                 self.runner.release(seq)
                 self.requests.pop(seq.request_id, None)
             updated.append(seq)
-        self._record_step(batch, decodes, start)
         return updated
 
     def _record_step(self, batch: ScheduledBatch, decodes: list[bool], start: float) -> None:
@@ -177,25 +217,27 @@ class LLMEngine:
         if self.timeline is not None:
             self.timeline.record(self.stats.num_steps - 1, batch, decodes, start, end)
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+    def _finish_reason(self, seq: Sequence, token: int, length: int) -> str | None:
+        """Why ``seq`` stops at ``token``, its ``length``-th token, or None."""
         params = seq.params
         if not params.ignore_eos and token in self.eos_token_ids:
             return "stop"
         if token in params.stop_token_ids:
             return "stop"
-        if params.stop and self.tokenizer is not None and self._hits_stop_string(seq):
+        if params.stop and self.tokenizer is not None and self._hits_stop_string(seq, length):
             return "stop"
         if (
-            seq.num_output_tokens >= params.max_tokens
-            or seq.num_tokens >= self.config.max_model_len
+            length - seq.num_prompt_tokens >= params.max_tokens
+            or length >= self.config.max_model_len
         ):
             return "length"
         return None
 
-    def _hits_stop_string(self, seq: Sequence) -> bool:
+    def _hits_stop_string(self, seq: Sequence, length: int) -> bool:
         longest = max(len(s) for s in seq.params.stop)
         # A stop string spans at most `longest` tokens; decode a little more for safety.
-        tail = self.tokenizer.decode(seq.output_token_ids[-(longest + 4) :])
+        start = max(seq.num_prompt_tokens, length - longest - 4)
+        tail = self.tokenizer.decode(seq.token_ids[start:length])
         return any(s in tail for s in seq.params.stop)
 
     def output(self, seq: Sequence) -> RequestOutput:

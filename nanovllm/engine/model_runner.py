@@ -17,7 +17,7 @@ from nanovllm.config import EngineConfig
 from nanovllm.context import AttentionMetadata, attention_metadata
 from nanovllm.engine.cuda_graphs import DecodeGraphs
 from nanovllm.engine.scheduler import ScheduledBatch
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 from nanovllm.layers.attention import Attention, select_backend
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models import ModelConfig, get_model_class
@@ -34,6 +34,15 @@ class PreparedBatch:
     sample_indices: torch.Tensor  # rows of the hidden states whose logits are sampled
     sample_seqs: list[Sequence]  # the sequences those rows belong to, in the same order
     logit_rows: list[int]  # per sequence in batch order: its sample row, or -1 mid-prompt
+
+
+@dataclass
+class InFlight:
+    """A launched step whose sampled tokens may still be on their way to the host."""
+
+    tokens: torch.Tensor | None  # [num sampled] on the host (pinned on a GPU); None: none
+    done: torch.cuda.Event | None  # recorded after the copy to the host (GPU only)
+    logit_rows: list[int]  # as in PreparedBatch
 
 
 class ModelRunner:
@@ -53,6 +62,8 @@ class ModelRunner:
         self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
         self.sampler = Sampler(config.seed, self.device)
         self._generators: dict[int, torch.Generator] = {}
+        self._in_flight_tokens = torch.empty(0, dtype=torch.int64, device=self.device)
+        self._in_flight_rows: dict[int, int] = {}  # seq_id -> row of _in_flight_tokens
         self.graphs = None
         if (
             self.device.type == "cuda"
@@ -138,10 +149,14 @@ class ModelRunner:
         order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1)
         input_ids, positions, slots, cu_q, lens_k, tables = [], [], [], [0], [], []
         logit_rows, sample_from, sample_seqs = [-1] * len(batch), [], []
+        patch_at, patch_from = [], []  # placeholder tokens: where, and which sampled row
         bs = self.block_size
         for i in order:
             seq, n = batch.seqs[i], batch.num_new_tokens[i]
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            if seq.token_ids[end - 1] == PLACEHOLDER:  # sampled by the step still in flight
+                patch_at.append(len(input_ids) + n - 1)
+                patch_from.append(self._in_flight_rows[seq.seq_id])
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
             slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
@@ -158,11 +173,16 @@ class ModelRunner:
             padded[row, : len(table)] = table
         # Two host-to-device copies per step, one per dtype, then views into them: each
         # separate copy costs a few microseconds of CPU time, and CPU time is step time.
-        n_tok, n_seq = len(input_ids), len(lens_k)
+        n_tok, n_seq, n_sample = len(input_ids), len(lens_k), len(sample_from)
         longs = self._to_device(
-            np.concatenate([input_ids, positions, slots, sample_from]), torch.int64
+            np.concatenate([input_ids, positions, slots, sample_from, patch_at, patch_from]),
+            torch.int64,
         )
         ints = self._to_device(np.concatenate([cu_q, lens_k, padded.ravel()]), torch.int32)
+        input_ids = longs[:n_tok]
+        if patch_at:  # the previous step's tokens never visit the CPU on their way here
+            patches = longs[3 * n_tok + n_sample :].view(2, -1)
+            input_ids[patches[0]] = self._in_flight_tokens[patches[1]]
         meta = AttentionMetadata(
             slot_mapping=longs[2 * n_tok : 3 * n_tok],
             cu_seqlens_q=ints[: n_seq + 1],
@@ -175,18 +195,26 @@ class ModelRunner:
             seq_lens_k_host=lens_k,
         )
         return PreparedBatch(
-            longs[:n_tok],
+            input_ids,
             longs[n_tok : 2 * n_tok],
             meta,
-            longs[3 * n_tok :],
+            longs[3 * n_tok : 3 * n_tok + n_sample],
             sample_seqs,
             logit_rows,
         )
 
-    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        """Host values -> device tensor. (Pinning a fresh host tensor costs more than the
-        copy it would speed up at these sizes, so the copy is from pageable memory.)"""
-        return torch.as_tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+    def _to_device(self, values: list | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        """Host values -> device tensor without making the CPU wait for the GPU.
+
+        The copy goes through page-locked (pinned) memory, which the GPU reads by itself;
+        from ordinary memory the driver may first wait for the GPU's queue to drain, and
+        with async scheduling that queue holds the step being computed. (``pin_memory``
+        draws from PyTorch's cache of pinned blocks, so it is cheap after the first steps.)
+        """
+        host = torch.as_tensor(values, dtype=dtype)
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         vocab = self.model_config.vocab_size
@@ -225,8 +253,8 @@ class ModelRunner:
         self._generators.pop(seq.seq_id, None)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[int | None]:
-        """One forward pass; the sampled token of each sequence, or None mid-prompt."""
+    def launch(self, batch: ScheduledBatch) -> InFlight:
+        """Queue one step's forward pass and sampling on the device; does not wait for it."""
         step = self.prepare(batch)
         if (
             self.graphs is not None
@@ -238,7 +266,29 @@ class ModelRunner:
             with attention_metadata(step.meta):
                 hidden = self.model(step.input_ids, step.positions)
         if not step.sample_seqs:
-            return [None] * len(batch)
+            return InFlight(None, None, step.logit_rows)
         logits = self.model.compute_logits(hidden[step.sample_indices])
-        tokens = self.sampler(logits, self.sampling_tensors(step.sample_seqs)).tolist()
+        tokens = self.sampler(logits, self.sampling_tensors(step.sample_seqs))
+        # Kept on the device: the next step reads its placeholder tokens from here.
+        self._in_flight_tokens = tokens
+        self._in_flight_rows = {seq.seq_id: row for row, seq in enumerate(step.sample_seqs)}
+        if self.device.type != "cuda":
+            return InFlight(tokens, None, step.logit_rows)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return InFlight(host, done, step.logit_rows)
+
+    def collect(self, step: InFlight) -> list[int | None]:
+        """Wait for a launched step; the sampled token of each sequence, None mid-prompt."""
+        if step.tokens is None:
+            return [None] * len(step.logit_rows)
+        if step.done is not None:
+            step.done.synchronize()  # waits for this step only, not for any queued after it
+        tokens = step.tokens.tolist()
         return [tokens[r] if r >= 0 else None for r in step.logit_rows]
+
+    def run(self, batch: ScheduledBatch) -> list[int | None]:
+        """One step, start to finish: ``collect(launch(batch))``."""
+        return self.collect(self.launch(batch))

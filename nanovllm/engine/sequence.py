@@ -9,6 +9,9 @@ from enum import Enum, auto
 from nanovllm.outputs import RequestMetrics
 from nanovllm.sampling_params import SamplingParams
 
+# Stands for a sampled token that has not reached the host yet (async scheduling, chapter 11).
+PLACEHOLDER = -1
+
 
 class SequenceStatus(Enum):
     WAITING = auto()

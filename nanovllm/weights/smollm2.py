@@ -24,8 +24,10 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = ("float32", "bfloat16", "float16")
 # A folder counts as converted only when all of these are present.
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
-_CONVERT_FIX = ("Converting the GGUF needs the packages gguf and accelerate. "
-                'Fix: pip install gguf accelerate  (or pip install -e ".[convert]")')
+_CONVERT_FIX = (
+    "Converting the GGUF needs the packages gguf and accelerate. "
+    'Fix: pip install gguf accelerate  (or pip install -e ".[convert]")'
+)
 
 
 class WeightsUnavailableError(ModuleNotFoundError):
@@ -81,8 +83,12 @@ def smollm2_path(dtype: str = "float32") -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=target.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared by several users
     try:
-        print(f"nanovllm: converting {source.name} to {dtype} safetensors in {target} "
-              "(once, under a minute) ...", file=sys.stderr, flush=True)
+        print(
+            f"nanovllm: converting {source.name} to {dtype} safetensors in {target} "
+            "(once, under a minute) ...",
+            file=sys.stderr,
+            flush=True,
+        )
         start = time.perf_counter()
         _convert(source, tmp, dtype)
         for file in tmp.iterdir():
@@ -116,7 +122,8 @@ def _convert(source: Path, out: Path, dtype: str) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         model = AutoModelForCausalLM.from_pretrained(
-            source.parent, gguf_file=source.name, dtype=getattr(torch, dtype))
+            source.parent, gguf_file=source.name, dtype=getattr(torch, dtype)
+        )
         tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     except ImportError as err:
         raise WeightsUnavailableError(f"{_CONVERT_FIX} ({err})", name=err.name) from err
