@@ -81,6 +81,7 @@ def run_nanovllm(path: str, load_format: str, work: Workload, **options) -> tupl
     ]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     sync(llm.config.device)
+    llm.engine.stats.reset()
     start = time.perf_counter()
     outs = llm.generate(work.prompts, params, use_tqdm=False)
     sync(llm.config.device)
@@ -259,6 +260,11 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=None)
     parser.add_argument("--peer", choices=["hf", "none"], default="none")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="make the CPU wait for each step's tokens before planning the next",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--out", type=Path, default=None, help="write results as JSON here")
@@ -294,6 +300,7 @@ def main() -> None:
     )
     options = dict(
         enforce_eager=args.enforce_eager,
+        async_scheduling=False if args.no_async_scheduling else None,
         max_num_seqs=args.max_num_seqs,
         gpu_memory_utilization=args.gpu_memory_utilization,
     )
@@ -312,6 +319,8 @@ def main() -> None:
         "nanovllm_tok_s": work.output_tokens / ours,
         "attention_backend": llm.engine.runner.backend.name,
         "cuda_graphs": bool(getattr(llm.engine.runner, "graphs", None)),
+        "async_scheduling": llm.config.async_scheduling,
+        **llm.engine.stats.summary(),
     }
     if device == "cuda":
         bw = copy_bandwidth(device)

@@ -8,10 +8,10 @@ and the extra token they computed dropped. Every test runs both modes and compar
 from __future__ import annotations
 
 import pytest
+from test_scheduler import PROMPTS, _params, make_tiny_llama, one_torch_thread  # noqa: F401
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.sequence import PLACEHOLDER
-from test_scheduler import PROMPTS, _params, make_tiny_llama, one_torch_thread  # noqa: F401
 
 
 @pytest.fixture(scope="module")

@@ -81,6 +81,24 @@ class EngineStats:
         self.num_prefill_tokens += prefill
         self.num_decode_tokens += decode
 
+    def reset(self) -> None:
+        """Forget every step so far (e.g. a warm-up before a measurement)."""
+        self.steps.clear()
+        self.num_steps = self.num_prefill_tokens = self.num_decode_tokens = 0
+
+    def summary(self) -> dict[str, float]:
+        """Step counts and mean step times since the start (or the last ``reset``)."""
+        steps = list(self.steps)
+        decode_only = [s for s in steps if s.num_prefill_tokens == 0]
+        mean_ms = lambda ss: 1e3 * sum(s.wall_time for s in ss) / max(len(ss), 1)  # noqa: E731
+        return {
+            "steps": self.num_steps,
+            "decode_only_steps": len(decode_only),
+            "mean_step_ms": mean_ms(steps),
+            "mean_decode_step_ms": mean_ms(decode_only),
+            "mean_decode_batch": sum(s.num_seqs for s in decode_only) / max(len(decode_only), 1),
+        }
+
     def to_records(self) -> list[dict]:
         """The recorded steps as plain dicts (with ``wall_time``), oldest first."""
         steps = list(self.steps)  # a snapshot: the engine thread may be appending
