@@ -130,6 +130,13 @@ show_source(llama.DecoderLayer, llama.DecoderModel, llama.LlamaForCausalLM)
 # this chapter we call the model on one sequence and attention falls back to plain causal
 # attention.
 #
+# The layer hands the stream on in two parts: `x`, the output of the last sub-layer, and
+# `residual`, the stream that output has not been added to yet. Each RMSNorm does that pending
+# add first (`norm(x, residual)` returns the normalised sum and the sum), so the two formulas
+# above hold with each `+` moved into the next norm: the same additions, the same numbers bit
+# for bit. The point of the shape is that on a GPU the add and the norm can run as one fused
+# Triton kernel (`nanovllm/kernels/rmsnorm.py`, chapter 11).
+#
 # Qwen3 differs from Llama in one place: an RMSNorm on every query and key head before RoPE.
 # The package's `nanovllm/models/qwen3.py` is therefore a subclass that sets one flag:
 
@@ -185,8 +192,9 @@ def rms_norm_small(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 
 # %% [markdown]
-# The package's version, `nanovllm/layers/norm.py`, and a comparison on random inputs with a
-# random gain:
+# The package's version, `nanovllm/layers/norm.py` (its `residual` argument and `use_triton`
+# switch serve the fused form of section 1.1), and a comparison on random inputs with a random
+# gain:
 
 # %%
 # NBVAL_IGNORE_OUTPUT

@@ -19,6 +19,7 @@ from nanovllm.engine.cuda_graphs import DecodeGraphs
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 from nanovllm.layers.attention import Attention, select_backend
+from nanovllm.layers.fused import set_fused_kernels
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models import ModelConfig, get_model_class
 from nanovllm.weights.loader import load_dummy, load_safetensors
@@ -56,6 +57,8 @@ class ModelRunner:
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attention_layers:
             layer.backend = self.backend
+        # The Triton backend brings fused norm, RoPE and activation kernels too (chapter 11).
+        set_fused_kernels(self.model, self.backend.name == "triton")
         if self.device.type == "cuda":
             self._warm_up()  # measures peak activation memory before sizing the KV cache
         self.num_kv_blocks = self._kv_budget_in_blocks()

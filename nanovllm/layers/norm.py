@@ -1,4 +1,9 @@
-"""RMSNorm (chapter 01): ``x / sqrt(mean(x^2) + eps) * weight``, computed in fp32."""
+"""RMSNorm (chapter 01): ``x / sqrt(mean(x^2) + eps) * weight``, computed in fp32.
+
+``forward(x, residual)`` also does the residual add that precedes every norm of a decoder
+layer, so the add and the norm can run as one fused Triton kernel (chapter 11,
+``nanovllm/kernels/rmsnorm.py``) when ``use_triton`` is set.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +16,26 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.use_triton = False  # nanovllm.layers.fused.set_fused_kernels switches it
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``norm(x)``; with ``residual``, ``(norm(x + residual), x + residual)``."""
+        if self.use_triton:
+            from nanovllm.kernels.rmsnorm import rmsnorm  # needs triton: imported only when on
+
+            rows = x.reshape(-1, x.shape[-1])
+            if residual is None:
+                return rmsnorm(rows, self.weight, self.eps).view(x.shape)
+            y, _ = rmsnorm(rows, self.weight, self.eps, residual.view(rows.shape))  # in place
+            return y.view(x.shape), residual
+        if residual is None:
+            return self._normalise(x)
+        summed = x + residual  # the residual stream after this sub-layer
+        return self._normalise(summed), summed
+
+    def _normalise(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 whatever the activation dtype: bf16 cannot hold the mean of
         # squares precisely, and this matches transformers' rounding bit for bit.
         dtype = x.dtype

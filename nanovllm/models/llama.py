@@ -2,7 +2,10 @@
 
 Per layer: ``x + attention(rmsnorm(x))`` then ``x + mlp(rmsnorm(x))``, where attention uses
 rotary positions and grouped-query heads, and the MLP is SwiGLU. Qwen3 is the same with an
-extra RMSNorm on each query and key head (``qk_norm``), see ``qwen3.py``.
+extra RMSNorm on each query and key head (``qk_norm``), see ``qwen3.py``. The code carries the
+residual stream beside the sub-layer output, so every ``+`` happens inside the next norm: with
+``use_triton`` set (``nanovllm/layers/fused.py``) the add, the norms, RoPE and SwiGLU's gate
+run as fused Triton kernels (chapter 11).
 """
 
 from __future__ import annotations
@@ -40,17 +43,34 @@ class SelfAttention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = qk_norm
+        self.use_triton = False  # fused q/k norm + RoPE kernel (nanovllm.layers.fused)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if self.use_triton:
+            self._fused_norm_rope(positions, qkv)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        if not self.use_triton:
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v).flatten(1))
+
+    def _fused_norm_rope(self, positions: torch.Tensor, qkv: torch.Tensor) -> None:
+        """The q/k norms (Qwen3) and RoPE as one Triton kernel, in place on ``qkv`` (ch. 11)."""
+        from nanovllm.kernels.rope import qk_norm_rope_  # needs triton: imported only when on
+
+        rope = self.rotary_emb
+        shape = (self.num_heads, self.num_kv_heads, self.head_dim)
+        args = (qkv, positions, rope.cos, rope.sin, *shape)
+        if self.qk_norm:
+            qk_norm_rope_(*args, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        else:
+            qk_norm_rope_(*args)
 
 
 class MLP(nn.Module):
@@ -73,9 +93,22 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x``: the previous sub-layer's output, not yet added to ``residual`` (the stream).
+
+        Each norm first adds its input to the stream, the textbook ``x + sublayer(...)``, so the
+        add and the norm can be one fused kernel (chapter 11). Returns the MLP's output and the
+        stream; the next layer (or the final norm) adds them.
+        """
+        if residual is None:  # first layer: the stream starts as the embeddings
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
@@ -86,10 +119,11 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(positions, x)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual)
+        x, _ = self.norm(x, residual)  # the last layer's MLP output joins the stream here
+        return x
 
 
 class LlamaForCausalLM(nn.Module):
