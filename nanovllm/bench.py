@@ -198,9 +198,11 @@ def bandwidth_bound_seconds(
 def decode_step_benchmark(
     model: str, batches: list[int], context: int, iters: int = 30
 ) -> list[dict]:
-    """Time one engine decode step (prepare + forward + sample) eager and with CUDA graphs."""
+    """Time one engine decode step (prepare + forward + sample) eager and with CUDA graphs,
+    with the fused Triton kernels on and off."""
     from nanovllm.engine.scheduler import ScheduledBatch
     from nanovllm.engine.sequence import Sequence
+    from nanovllm.layers.fused import set_fused_kernels
 
     llm = LLM(
         str(config_path(model)),
@@ -222,31 +224,37 @@ def decode_step_benchmark(
             assert engine.block_manager.allocate(seq, context)
             seq.num_computed_tokens = context - 1  # the prompt's KV is "already cached"
             batch.add(seq, 1)
-        graphs, timings = runner.graphs, {}
-        for mode in ("eager", "cuda_graphs"):
-            runner.graphs = graphs if mode == "cuda_graphs" else None
-            for _ in range(3):
-                runner.run(batch)
-            sync(llm.config.device)
-            start = time.perf_counter()
-            for _ in range(iters):
-                runner.run(batch)
-            sync(llm.config.device)
-            timings[mode] = (time.perf_counter() - start) / iters
-        runner.graphs = graphs
-        for seq in batch.seqs:
+        rows.append({"batch": size, "context": context, "batch_seqs": batch})
+    # Fused kernels on (the engine's default), then off, with graphs recaptured without them.
+    for fused in (True, False):
+        if not fused:
+            set_fused_kernels(runner.model, False)
+            runner.capture_graphs()
+        suffix = "" if fused else "_unfused"
+        for row in rows:
+            for mode in ("eager", "graphs"):
+                graphs, runner.graphs = runner.graphs, runner.graphs if mode == "graphs" else None
+                row[f"{mode}{suffix}_ms"] = _time_steps(runner, row["batch_seqs"], iters) * 1e3
+                runner.graphs = graphs
+    for row in rows:
+        for seq in row.pop("batch_seqs").seqs:
             engine.block_manager.free(seq)
-        rows.append(
-            {
-                "batch": size,
-                "context": context,
-                "eager_ms": timings["eager"] * 1e3,
-                "graphs_ms": timings["cuda_graphs"] * 1e3,
-                "speedup": timings["eager"] / timings["cuda_graphs"],
-            }
-        )
-        print(rows[-1], flush=True)
+        row["speedup"] = row["eager_ms"] / row["graphs_ms"]
+        row["fusion_speedup_graphs"] = row["graphs_unfused_ms"] / row["graphs_ms"]
+        print(row, flush=True)
     return rows
+
+
+def _time_steps(runner, batch, iters: int) -> float:
+    """Seconds per ``runner.run(batch)``, after three untimed warm-up steps."""
+    for _ in range(3):
+        runner.run(batch)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        runner.run(batch)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iters
 
 
 def main() -> None:

@@ -73,16 +73,7 @@ class ModelRunner:
             and not config.enforce_eager
             and self.backend.name == "triton"
         ):
-            max_blocks = -(-config.max_model_len // self.block_size)
-            self.graphs = DecodeGraphs(
-                self.model,
-                config.max_num_seqs,
-                max_blocks,
-                self.block_size,
-                model_config.hidden_size,
-                self.device,
-                self.dtype,
-            )
+            self.capture_graphs()
 
     # -- setup ---------------------------------------------------------------------------
     def _build_model(self) -> torch.nn.Module:
@@ -99,6 +90,20 @@ class ModelRunner:
         else:
             load_safetensors(model, self.config.model)
         return model.eval()
+
+    def capture_graphs(self) -> None:
+        """(Re)capture the decode CUDA graphs, e.g. after switching fused kernels on or off."""
+        self.graphs = None  # frees the old graphs' memory pool before capturing anew
+        max_blocks = -(-self.config.max_model_len // self.block_size)
+        self.graphs = DecodeGraphs(
+            self.model,
+            self.config.max_num_seqs,
+            max_blocks,
+            self.block_size,
+            self.model_config.hidden_size,
+            self.device,
+            self.dtype,
+        )
 
     @torch.inference_mode()
     def _warm_up(self) -> None:
