@@ -26,7 +26,8 @@ from nanovllm.configs import config_path
 
 CPU_PHASES = {  # (object path, method) -> label in the timeline
     ("scheduler", "schedule"): "schedule",
-    ("runner", "launch"): "prepare + launch",
+    ("runner", "launch"): "launch",
+    ("runner", "prepare"): "prepare",  # inside launch
     ("runner", "collect"): "wait for tokens",
     (None, "_apply"): "apply tokens",
 }
@@ -85,8 +86,15 @@ def profile_decode_steps(
     free(llm)
 
     events = prof.events()
-    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
-    phases = [e for e in events if e.name in CPU_PHASES.values()]
+    labels = set(CPU_PHASES.values())
+    # A profiler range also shows up on the GPU's timeline (as an annotation): not a kernel.
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA and e.name not in labels]
+    phases = [e for e in events if e.device_type == DeviceType.CPU and e.name in labels]
+    cpu_ms = {
+        label: sum(e.time_range.elapsed_us() for e in phases if e.name == label) / steps / 1e3
+        for label in CPU_PHASES.values()
+    }
+    cpu_ops = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
     t0 = min(e.time_range.start for e in phases)
     t1 = max(e.time_range.end for e in kernels + phases)
     wall_us = t1 - t0
@@ -105,6 +113,8 @@ def profile_decode_steps(
         "ms_per_step": wall_us / steps / 1e3,
         "gpu_busy_fraction": busy_us / wall_us,
         "kernels_per_step": len(kernels) / steps,
+        "cpu_ms_per_step": cpu_ms,
+        "cpu_ops_table": cpu_ops,
         "top_kernels_ms_per_step": [(name[:80], us / steps / 1e3) for name, us in top],
         "spans_ms": [(lane, name, (s - t0) / 1e3, (e - t0) / 1e3) for lane, name, s, e in spans],
     }
@@ -129,8 +139,14 @@ def main() -> None:
             f"{str(r['async_scheduling']):>6} {r['batch']:>6} {r['ms_per_step']:>8.2f} "
             f"{r['gpu_busy_fraction']:>9.1%} {r['kernels_per_step']:>13.0f}"
         )
+    for r in runs:
+        print(
+            f"async={r['async_scheduling']}: CPU ms/step",
+            {k: round(v, 3) for k, v in r["cpu_ms_per_step"].items()},
+        )
     for name, ms in runs[-1]["top_kernels_ms_per_step"]:
         print(f"  {ms:7.3f} ms/step  {name}")
+    print(runs[-1]["cpu_ops_table"])
     if args.out:
         meta = {
             "device": torch.cuda.get_device_name(),

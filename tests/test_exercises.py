@@ -16,8 +16,10 @@ CHAPTERS = Path(__file__).resolve().parents[1] / "chapters"
 
 
 def _exercise_pairs() -> list:
-    import jupytext
-
+    try:
+        import jupytext
+    except ImportError:  # e.g. a GPU machine set up for `pytest -m gpu` only
+        return [pytest.param(None, None, marks=pytest.mark.skip(reason="needs jupytext"))]
     params = []
     for source in sorted(CHAPTERS.glob("[0-9][0-9]_*.py")):
         cells = jupytext.read(source).cells
