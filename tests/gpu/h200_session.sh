@@ -17,7 +17,8 @@ run() { local name=$1 limit=$2; shift 2; echo "== $name"; local t0=$SECONDS
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'
 BENCH="python3 -m nanovllm.bench --model qwen3-0.6b --gpu-memory-utilization 0.5"
-for stage in "${@:-gpu_tests decode_step profile bench bench_sync}"; do
+stages=${*:-gpu_tests decode_step profile bench bench_sync}
+for stage in $stages; do
   case $stage in
     gpu_tests) run gpu_tests 200 python3 -m pytest -m gpu tests -q -p no:cacheprovider ;;
     decode_step) run decode_step 120 python3 -m nanovllm.bench --decode-step --out "$OUT/cuda_graphs_h200.json" ;;
