@@ -8,6 +8,7 @@
 #   profile      decode steps under torch.profiler, async scheduling off and on
 #   bench        the nano-vllm workload, then transformers on the first 32 requests
 #   bench_sync   the same workload without async scheduling
+#   tuning       the workload once per knob setting (nanovllm.tuning)
 set -u
 OUT=${OUT:-/tmp/nanovllm-gpu}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TQDM_DISABLE=1 HF_HUB_OFFLINE=1
@@ -25,6 +26,7 @@ for stage in $stages; do
     profile) run profile 120 python3 -m nanovllm.profiling --out "$OUT/profile_h200.json" ;;
     bench) run bench 300 $BENCH --peer hf --peer-requests "${PEER_REQUESTS:-32}" --out "$OUT/bench_h200.json" ;;
     bench_sync) run bench_sync 120 $BENCH --no-async-scheduling --out "$OUT/bench_h200_sync.json" ;;
+    tuning) run tuning 500 python3 -m nanovllm.tuning --out "$OUT/tuning_h200.json" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
