@@ -74,14 +74,21 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def warm_up(llm: LLM) -> None:
+    """Run a few requests of different lengths before timing: Triton compiles each kernel on
+    its first use, and prefill, mixed and decode steps each need their own kernels."""
+    prompts = [[(7 * i + j) % 10000 for j in range(n)] for i, n in enumerate((3, 17, 70, 300))]
+    llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    sync(llm.config.device)
+    llm.engine.stats.reset()
+
+
 def run_nanovllm(path: str, load_format: str, work: Workload, **options) -> tuple[float, LLM]:
     llm = LLM(path, load_format=load_format, **options)
     params = [
         SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in work.output_lens
     ]
-    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-    sync(llm.config.device)
-    llm.engine.stats.reset()
+    warm_up(llm)
     start = time.perf_counter()
     outs = llm.generate(work.prompts, params, use_tqdm=False)
     sync(llm.config.device)

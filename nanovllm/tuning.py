@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.bench import free, make_workload
+from nanovllm.bench import free, make_workload, warm_up
 from nanovllm.config import EngineConfig
 from nanovllm.configs import config_path
 from nanovllm.engine.metrics import latency_summary
@@ -44,9 +44,7 @@ def run_setting(model: str, knobs: dict, num_requests: int | None) -> dict:
     params = [
         SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in work.output_lens
     ]
-    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-    llm.engine.stats.reset()
-    torch.cuda.synchronize()
+    warm_up(llm)
     start = time.perf_counter()
     outs = llm.generate(work.prompts, params, use_tqdm=False)
     torch.cuda.synchronize()

@@ -60,7 +60,12 @@ MIN_SPLIT_TOKENS = 64
 MAX_SPLITS = 32
 
 
-@triton.jit
+# Per-step values (split counts, slices of the step's metadata) are not specialized on, so a
+# new batch shape never triggers a compile mid-serving (see prefill_attention.py).
+@triton.jit(
+    do_not_specialize=["num_splits"],
+    do_not_specialize_on_alignment=["seq_lens_ptr", "block_tables_ptr"],
+)
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -182,7 +187,7 @@ def _decode_split_kernel(
         tl.store(acc_ptr + part[:, None] * D_PAD + d[None, :], acc, mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _combine_splits_kernel(
     m_ptr,
     l_ptr,

@@ -106,7 +106,13 @@ def _attend_key_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit
+# Triton compiles a variant per value class of integer arguments (1, multiple of 16, other)
+# and per 16-byte alignment of pointers. Per-step values (tile counts, slices of the step's
+# metadata) would otherwise trigger a fresh compile, seconds each, in the middle of serving.
+@triton.jit(
+    do_not_specialize=["num_m_tiles"],
+    do_not_specialize_on_alignment=["cu_seqlens_q_ptr", "seq_lens_k_ptr", "block_tables_ptr"],
+)
 def _prefill_attention_kernel(
     q_ptr,
     k_cache_ptr,

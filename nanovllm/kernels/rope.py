@@ -37,7 +37,7 @@ __all__ = ["qk_norm_rope_"]
 MAX_TILE = 1024
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["positions_ptr"])  # a slice of the step's metadata
 def _qk_norm_rope_kernel(
     qkv_ptr,
     positions_ptr,

@@ -26,7 +26,7 @@ import triton.language as tl
 __all__ = ["store_kv"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr"])  # a slice of the step's metadata
 def _store_kv_kernel(
     key_ptr,
     value_ptr,
