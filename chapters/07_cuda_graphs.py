@@ -30,7 +30,9 @@
 # which imposes two disciplines on the engine: **static buffers** (inputs are copied into
 # memory the graph knows) and **batch-size buckets** (one graph per padded batch size). We read
 # the package's implementation, check the padding contract it relies on, and plot the speedup
-# measured on an H200, which shrinks as the batch grows, for a reason we can compute.
+# measured on an H200, which shrinks as the batch grows, for a reason we can compute. The same
+# measurement, with and without the fused kernels of chapter 11, shows how graphs and kernel
+# fusion attack the same fixed cost from two sides.
 #
 # Package modules taught here: `nanovllm/engine/cuda_graphs.py` (`batch_buckets`,
 # `DecodeGraphs`), where `nanovllm/engine/model_runner.py` switches graphs on, and
@@ -164,12 +166,31 @@ print(f"per layer: {(counter.counts['layers']) / layers:.0f} outside attention "
 #
 # On a GPU the engine uses the `triton` backend, which replaces the 15 operations of the
 # PyTorch attention backend with two Triton launches per layer (`store_kv` and
-# `decode_attention`, chapter 05; three when split-KV adds the merge kernel). So a decode step
-# of Qwen3-0.6B on a GPU launches about this many kernels:
+# `decode_attention`, chapter 05; three when split-KV adds the merge kernel). With the PyTorch
+# path for everything else, a decode step of Qwen3-0.6B on a GPU launches about this many
+# kernels:
 
 # %%
 launches_gpu = total_ops - attention_ops + 2 * layers
-print(f"estimated kernel launches per decode step with the triton backend: {launches_gpu}")
+print(f"estimated kernel launches per decode step, triton attention + PyTorch path: "
+      f"{launches_gpu}")
+
+# %% [markdown]
+# That is the engine before chapter 11, which fuses each layer's norms (with their residual
+# adds), its q/k norm with the rotary embedding, and the MLP's activation into single Triton
+# kernels; the engine switches them on together with the `triton` backend, and then a decode
+# step is about 310 kernels, as `torch.profiler` counted on an H200 (the sampler's kernels
+# included):
+
+# %%
+profile_record = json.loads((figures_dir() / "data" / "profile_h200.json").read_text())
+print(f"recorded on {profile_record['device']}, {profile_record['date']}: "
+      f"`{profile_record['command']}`")
+for run in profile_record["runs"]:
+    print(f"batch {run['batch']}, async scheduling {'on ' if run['async_scheduling'] else 'off'}:"
+          f" {run['kernels_per_step']:.0f} kernels per decode step")
+kernels_fused = round(sum(r["kernels_per_step"] for r in profile_record["runs"])
+                      / len(profile_record["runs"]))
 
 # %% [markdown]
 # ### 1.2 What one launch costs
@@ -441,15 +462,17 @@ show_source(cuda_graphs.DecodeGraphs)
 
 # %% [markdown]
 # The model runner (`nanovllm/engine/model_runner.py`) builds `DecodeGraphs` on a GPU when
-# `enforce_eager=False` (the default) and the backend is `triton`, and in `run` replays a graph
-# only for pure-decode batches that fit the largest bucket; steps with prompt tokens run
-# eagerly:
+# `enforce_eager=False` (the default) and the backend is `triton` (`capture_graphs`, which can
+# also recapture them, for instance after switching the fused kernels off). Its `launch`, which
+# `run` calls before waiting for the sampled tokens, replays a graph only for pure-decode
+# batches that fit the largest bucket; steps with prompt tokens run eagerly. The graph covers
+# the model's layers; the LM head and the sampler are launched eagerly after it:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 from nanovllm.engine.model_runner import ModelRunner
 
-src = inspect.getsource(ModelRunner.run)
+src = inspect.getsource(ModelRunner.launch)
 display(Markdown(f"```python\n{src}```"))
 
 # %% [markdown]
@@ -525,8 +548,11 @@ print("caches identical (the -1 slot wrote nothing):",
 # ## 4. Switched on in the engine: the measured speedup
 #
 # `decode_step_benchmark` in `nanovllm/bench.py` times one engine decode step (prepare the
-# inputs, run the model, sample) of Qwen3-0.6B with random weights at context 1024, for a few
-# batch sizes, first eager (`runner.graphs = None`) and then with the captured graphs:
+# inputs, run the model, sample, wait for the tokens) of Qwen3-0.6B with random weights at
+# context 1024, for a few batch sizes, eager (`runner.graphs = None`) and with the captured
+# graphs. It does so twice: first as the engine runs by default, with the fused kernels of
+# chapter 11, then with them switched off and the graphs recaptured, so that the graphs record
+# the unfused kernels (the `_unfused` keys):
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -540,22 +566,58 @@ show_source(bench.decode_step_benchmark)
 
 # %%
 graphs_record = json.loads((figures_dir() / "data" / "cuda_graphs_h200.json").read_text())
+rows = graphs_record["rows"]
+batches = [r["batch"] for r in rows]
+for r in rows:
+    r["speedup_unfused"] = r["eager_unfused_ms"] / r["graphs_unfused_ms"]
 print(f"recorded on {graphs_record['device']}, {graphs_record['date']}, "
       f"torch {graphs_record['torch']}: `{graphs_record['command']}`")
-print("batch  context   eager ms  graphs ms  speedup")
-for r in graphs_record["rows"]:
-    print(f"{r['batch']:5d} {r['context']:8d} {r['eager_ms']:10.1f} {r['graphs_ms']:10.1f} "
-          f"{r['speedup']:7.1f}x")
+print("                 with fused kernels (default)    without fusion")
+print("batch  context   eager ms  graphs ms  speedup   eager ms  graphs ms  speedup")
+for r in rows:
+    print(f"{r['batch']:5d} {r['context']:8d} {r['eager_ms']:10.1f} {r['graphs_ms']:10.2f} "
+          f"{r['speedup']:7.1f}x {r['eager_unfused_ms']:10.1f} {r['graphs_unfused_ms']:10.2f} "
+          f"{r['speedup_unfused']:7.1f}x")
+
+print("\nwhat fusion gains (time without fusion / time with it)")
+print("batch   eager  graphs  graph step saved")
+for r in rows:
+    print(f"{r['batch']:5d} {r['eager_unfused_ms'] / r['eager_ms']:6.2f}x "
+          f"{r['fusion_speedup_graphs']:6.2f}x {r['graphs_unfused_ms'] - r['graphs_ms']:11.2f} ms")
+saved_ms = sum(r["graphs_unfused_ms"] - r["graphs_ms"] for r in rows) / len(rows)
+removed = launches_gpu - kernels_fused
+print(f"mean saving {saved_ms:.2f} ms for ~{removed:,} fewer kernels "
+      f"(~{launches_gpu:,} -> ~{kernels_fused}, section 1): "
+      f"~{saved_ms / removed * 1e3:.1f} µs per kernel")
 
 # %% [markdown]
-# Graphs make the batch-1 step about nine times faster and the batch-256 step about twice as
-# fast. Why does the gain shrink? A step costs roughly
+# With the fused kernels, graphs make the batch-1 step about 13 times faster (22.9 ms down to
+# 1.8 ms) and the batch-256 step about twice as fast (2.2×). Without fusion the gain at batch 1
+# is 7.9×.
+#
+# Fusion and graphs attack the same fixed cost, the per-kernel cost of a step, from two sides:
+# fusion launches fewer kernels (about 310 instead of about 1,400, section 1), a graph launches
+# them all at once. Their gains add up, and the second table shows why neither makes the other
+# redundant:
+#
+# * **Eager, fusion alone is not enough.** With under a quarter of the kernels, the eager step
+#   is only 1.5× faster at batch 1, and it stays at 22.9 ms, over 40 times its GPU work (the
+#   lower bound computed below). The fused kernels are Triton kernels, and a Triton launch from
+#   Python is the costly kind (section 1.2): the eager step is still launch-bound.
+# * **With a graph, fewer kernels still help.** A replay removes the host's launch cost, but
+#   the GPU still runs every recorded kernel one after the other, and each one, however small,
+#   pays a couple of microseconds to start and finish on the GPU. So fusion makes the graph
+#   step at batch 1 2.5× faster, 4.43 ms down to 1.80 ms. The saving is nearly the same at
+#   every batch size, 2.6–2.8 ms: a fixed cost, roughly 2.4 µs for each kernel that fusion
+#   removed (a rough figure: the ~1,400 is section 1's estimate, not a measurement).
+#
+# Why does the graphs' gain shrink as the batch grows? A step costs roughly
 #
 # $$t_\text{eager} \approx \max(\text{host launch time},\ \text{GPU time}),\qquad
 #   t_\text{graph} \approx \text{GPU time} + \text{remaining host work}.$$
 #
-# The host launch time is fixed: the same ~1,400 launches at every batch size (section 1). The
-# GPU time grows with the batch, because every sequence brings its own KV cache to read. We can
+# The host launch time is fixed: the same launches at every batch size (section 1). The GPU
+# time grows with the batch, because every sequence brings its own KV cache to read. We can
 # estimate the GPU time from the kernel measurements of chapter 05: 28 layers of
 # `decode_attention` at the recorded time for this batch and context, plus one read of the
 # weights (2 bytes per parameter in bf16; we count the parameters on PyTorch's `meta` device,
@@ -572,58 +634,101 @@ weights_ms = n_params * 2 / decode_record["copy_bytes_per_s"] * 1e3
 attention_us = {r["batch"]: r["us"] for r in decode_record["rows"]
                 if r["ctx"] == 1024 and r["block_size"] == 16}
 print(f"Qwen3-0.6B: {n_params:,} parameters; one bf16 read of them: {weights_ms:.2f} ms")
-print("batch  GPU lower bound ms   eager ms  graphs ms  graphs - GPU bound")
+print("                           with fused kernels                     without fusion")
+print("batch  GPU bound ms   eager ms  graphs ms  graphs - bound   graphs ms  graphs - bound")
 gpu_ms = {}
-for r in graphs_record["rows"]:
+for r in rows:
     b = r["batch"]
     gpu_ms[b] = cfg.num_layers * attention_us[b] / 1e3 + weights_ms
-    print(f"{b:5d} {gpu_ms[b]:19.2f} {r['eager_ms']:10.1f} {r['graphs_ms']:10.1f} "
-          f"{r['graphs_ms'] - gpu_ms[b]:19.1f}")
+    print(f"{b:5d} {gpu_ms[b]:13.2f} {r['eager_ms']:10.1f} {r['graphs_ms']:10.2f} "
+          f"{r['graphs_ms'] - gpu_ms[b]:15.2f} {r['graphs_unfused_ms']:11.2f} "
+          f"{r['graphs_unfused_ms'] - gpu_ms[b]:15.2f}")
+print(f"eager step / GPU bound at batch 1: {rows[0]['eager_ms'] / gpu_ms[rows[0]['batch']]:.0f}x; "
+      f"GPU bound / eager step at batch 256: {gpu_ms[256] / rows[-1]['eager_ms']:.0%}")
 kv_256 = 256 * 1024 * cfg.kv_bytes_per_token(2)
 print(f"KV cache read per step at batch 256, context 1024: {kv_256 / 1e9:.1f} GB "
       f"= {kv_256 / decode_record['copy_bytes_per_s'] * 1e3:.1f} ms at the copy bandwidth")
+host_us = {r["batch"]: r["host_us"] for r in decode_record["rows"]
+           if r["ctx"] == 1024 and r["block_size"] == 16}
+print(f"extra host time of split-KV decode_attention at batch 1 vs 64, over {cfg.num_layers} "
+      f"layers: {cfg.num_layers * (host_us[1] - host_us[64]) / 1e3:.1f} ms")
 
 # %% [markdown]
 # Read the table row by row:
 #
-# * **Batch 1.** At least half a millisecond of GPU work, but the eager step takes tens of
-#   milliseconds: it is entirely launch-bound. The graph removes the launches and the step
-#   drops to about 4 ms. (The eager batch-1 time is higher than the eager batch-64 time; the
-#   extra split-KV merge kernel adds 28 launches, and the row was the first one measured, so
-#   part of the gap is probably warm-up. The graph times do not have this problem.)
+# * **Batch 1.** Half a millisecond of GPU work, but the eager step takes 22.9 ms (34.8 ms
+#   without fusion): it is entirely launch-bound. The graph removes the launches and the step
+#   drops to 1.8 ms (4.4 ms without fusion). The eager batch-1 step is slower than the eager
+#   batch-64 step, with fusion or without: at batch 1 `decode_attention` splits each sequence's
+#   KV cache (chapter 05), which adds a merge kernel per layer and makes each call, merge
+#   included, cost more host time (132 µs against 99 µs, section 1.2): about 0.9 ms per step
+#   over 28 layers, part of the gap. The graph columns, where launches cost the host nothing,
+#   grow with the batch as they should.
 # * **Batch 256.** The attention alone now reads 30 GB per step (256 sequences × 1024 tokens
 #   of K and V in 28 layers, printed above): about 7 ms even at the roofline. The GPU work has
-#   grown to more than a quarter of the eager time, and a graph can only remove the rest.
-# * The last column, what the graph step costs beyond our GPU lower bound, is 3.6–5.8 ms and
-#   grows with the batch. A graph removes *launch* overhead, not the host work *around* the
-#   forward pass: building the step's input lists in Python, copying them to the GPU, sampling
-#   and bringing the tokens back. That remainder is the subject of chapter 11.
+#   grown to about a third of the eager time, and a graph can only remove the rest: 23.3 ms
+#   down to 10.6 ms.
+# * **The `graphs - bound` columns** are what the graph step costs beyond our GPU lower bound:
+#   1.3–3.1 ms with fusion, 3.9–5.8 ms without, growing with the batch. They hold everything
+#   the bound leaves out. On the GPU, the kernels it does not count (norms, rotary embedding,
+#   activation, residual adds, the sampler), each with its start-up cost: this is the part
+#   fusion shrank, by 2.6–2.8 ms at every batch size. On the host, the work a graph does not
+#   remove because it lies *around* the captured forward pass: building the step's inputs in
+#   Python, copying them to the GPU, launching the LM head and the sampler, and waiting for the
+#   sampled tokens to come back.
 #
-# The figure shows both effects: the bars are the step times, the line the speedup.
+# Chapter 11 takes this remainder apart: it builds the fused kernels, and with **async
+# scheduling** it hides the host work behind the GPU's, the CPU preparing step *n*+1 while the
+# GPU computes step *n*.
+#
+# The figure shows these effects: on the left the step times, eager and with graphs, with and
+# without fusion; in the middle the graph step alone, against the GPU lower bound; on the right
+# the speedup of graphs.
 
 # %%
-rows = graphs_record["rows"]
-batches = [r["batch"] for r in rows]
 x = range(len(rows))
-fig, (ax_ms, ax_sp) = plt.subplots(1, 2, figsize=(11, 4))
-width = 0.27
-ax_ms.bar([i - width for i in x], [r["eager_ms"] for r in rows], width, label="eager",
-          color=BOOK_COLORS[1])
-ax_ms.bar(list(x), [r["graphs_ms"] for r in rows], width, label="CUDA graphs",
-          color=BOOK_COLORS[0])
-ax_ms.bar([i + width for i in x], [gpu_ms[b] for b in batches], width,
-          label="GPU work, lower bound", color=BOOK_COLORS[2])
+fig, (ax_ms, ax_gr, ax_sp) = plt.subplots(1, 3, figsize=(15, 4.2))
+bars = (("eager, without fusion", "eager_unfused_ms", BOOK_COLORS[1], "//", 0.45),
+        ("eager, fused kernels", "eager_ms", BOOK_COLORS[1], None, 1.0),
+        ("graphs, without fusion", "graphs_unfused_ms", BOOK_COLORS[0], "//", 0.45),
+        ("graphs, fused kernels", "graphs_ms", BOOK_COLORS[0], None, 1.0))
+width = 0.2
+for k, (label, key, color, hatch, alpha) in enumerate(bars):
+    ax_ms.bar([i + (k - 1.5) * width for i in x], [r[key] for r in rows], width, label=label,
+              color=color, hatch=hatch, alpha=alpha, edgecolor=color)
 ax_ms.set_xticks(list(x), labels=[str(b) for b in batches])
 ax_ms.set(xlabel="decode batch (sequences, context 1024)", ylabel="time per decode step (ms)",
           title="One decode step of Qwen3-0.6B")
-ax_ms.legend()
-ax_sp.plot(batches, [r["speedup"] for r in rows], "o-", color=BOOK_COLORS[0])
-for b, r in zip(batches, rows):
-    ax_sp.annotate(f"{r['speedup']:.1f}x", (b, r["speedup"]), textcoords="offset points",
-                   xytext=(6, 4))
+ax_ms.legend(fontsize=8)
+
+width = 0.27
+ax_gr.bar([i - width for i in x], [r["graphs_unfused_ms"] for r in rows], width,
+          label="graphs, without fusion", color=BOOK_COLORS[0], hatch="//", alpha=0.45,
+          edgecolor=BOOK_COLORS[0])
+ax_gr.bar(list(x), [r["graphs_ms"] for r in rows], width, label="graphs, fused kernels",
+          color=BOOK_COLORS[0])
+ax_gr.bar([i + width for i in x], [gpu_ms[b] for b in batches], width,
+          label="GPU work, lower bound", color=BOOK_COLORS[2])
+for i, r in zip(x, rows):
+    for dx, v in ((-width, r["graphs_unfused_ms"]), (0, r["graphs_ms"])):
+        ax_gr.annotate(f"{v:.1f}", (i + dx, v), ha="center", textcoords="offset points",
+                       xytext=(0, 2), fontsize=8)
+ax_gr.set_xticks(list(x), labels=[str(b) for b in batches])
+ax_gr.set(xlabel="decode batch (sequences, context 1024)", ylabel="time per decode step (ms)",
+          title="The graph step: fusion still helps")
+ax_gr.legend(fontsize=8)
+
+for key, label, style in (("speedup", "with fused kernels", "o-"),
+                          ("speedup_unfused", "without fusion", "s--")):
+    ax_sp.plot(batches, [r[key] for r in rows], style, color=BOOK_COLORS[0], label=label,
+               alpha=1.0 if key == "speedup" else 0.6)
+    for b, r in zip(batches, rows):
+        ax_sp.annotate(f"{r[key]:.1f}x", (b, r[key]), textcoords="offset points",
+                       xytext=(6, 4 if key == "speedup" else -12), fontsize=8)
 ax_sp.set(xscale="log", xlabel="decode batch (sequences)", ylabel="speedup (eager / graphs)",
-          title="Speedup shrinks as GPU work grows", ylim=(0, None))
+          title="Speedup shrinks as GPU work grows", ylim=(0, 1.15 * rows[0]["speedup"]))
 ax_sp.set_xticks(batches, labels=[str(b) for b in batches])
+ax_sp.legend(fontsize=8)
 fig.suptitle(f"Recorded on {graphs_record['device']}, {graphs_record['date']} "
              f"({graphs_record['command']})", fontsize=10)
 fig.tight_layout()
@@ -634,16 +739,20 @@ plt.show()
 # ### 4.1 Your own measurement (GPU only)
 #
 # On a GPU the next cell runs `decode_step_benchmark` at a few small batches (it builds
-# Qwen3-0.6B with random weights and captures its graphs, which takes a little while). On a
-# CPU there is nothing to capture: the "device" is the host itself, so there is no launch queue
-# to keep full, and the engine never builds graphs there.
+# Qwen3-0.6B with random weights and captures its graphs twice, with the fused kernels and
+# without, which takes a little while). On a CPU there is nothing to capture: the "device" is
+# the host itself, so there is no launch queue to keep full, and the engine never builds graphs
+# there.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 if torch.cuda.is_available():
     for row in bench.decode_step_benchmark("qwen3-0.6b", [1, 8, 32], 1024, iters=10):
+        unfused = row["eager_unfused_ms"] / row["graphs_unfused_ms"]
         print(f"batch {row['batch']:3d}: eager {row['eager_ms']:6.1f} ms, "
-              f"graphs {row['graphs_ms']:6.1f} ms, speedup {row['speedup']:.1f}x")
+              f"graphs {row['graphs_ms']:6.2f} ms ({row['speedup']:4.1f}x) | without fusion: "
+              f"eager {row['eager_unfused_ms']:6.1f} ms, graphs {row['graphs_unfused_ms']:6.2f} ms "
+              f"({unfused:4.1f}x)")
 else:
     print("no GPU here: the recorded H200 results above stand in for a live measurement")
 
@@ -738,10 +847,11 @@ print("Exercise 2 passed: padded rows write nothing and real rows are untouched"
 # %% [markdown]
 # ## Summary
 #
-# - A decode step of Qwen3-0.6B is about 1,400 kernel launches, the same at every batch size.
-#   Each launch costs the host microseconds (PyTorch ops) to over a hundred microseconds (a
-#   Triton launch from Python), often more than the kernel runs on an H200: small decode steps
-#   are **launch-bound**.
+# - A decode step of Qwen3-0.6B is about 1,400 kernel launches with the PyTorch path, and about
+#   310 with the fused kernels of chapter 11, the same at every batch size. Each launch costs
+#   the host microseconds (PyTorch ops) to over a hundred microseconds (a Triton launch from
+#   Python), often more than the kernel runs on an H200: small decode steps are
+#   **launch-bound**.
 # - A **CUDA graph** records the launches once and replays them with one call. It replays the
 #   recorded kernels on the recorded addresses, so inputs go through **static buffers**, host
 #   decisions (`.item()`, data-dependent branches, split counts) must not exist in the captured
@@ -751,7 +861,13 @@ print("Exercise 2 passed: padded rows write nothing and real rows are untouched"
 #   inputs into the static buffers and pads with rows that store nothing (slot −1) and attend to
 #   nothing (length 0). We checked that padded rows change neither the real outputs nor the
 #   cache; the package's buckets waste 8% of rows on average and at most 15 rows.
-# - Recorded on an H200: graphs make a decode step 9.1× faster at batch 1 and 1.9× at batch 256.
-#   The gain shrinks because the saved launch time is fixed while the GPU work (mostly reading
-#   the KV cache) grows with the batch. What remains beyond the GPU work is host work around the
-#   forward pass, which chapter 11 takes apart.
+# - Recorded on an H200 with the fused kernels (the engine's default): graphs make a decode step
+#   about 13× faster at batch 1 (22.9 ms down to 1.8 ms) and 2.2× faster at batch 256; without
+#   fusion, 7.9× and 2.0×. The gain shrinks because the saved launch time is fixed while the GPU
+#   work (mostly reading the KV cache) grows with the batch.
+# - Fusion and graphs attack the same fixed cost from two sides: fusion launches fewer kernels,
+#   a graph launches them all at once. A replay still pays each kernel's start on the GPU, so
+#   fewer kernels still help: fusion took the batch-1 graph step from 4.4 ms to 1.8 ms. What the
+#   graph step costs beyond the GPU work (small kernels, and host work around the forward pass)
+#   is what chapter 11 takes apart, with async scheduling preparing step *n*+1 on the CPU while
+#   the GPU computes step *n*.
