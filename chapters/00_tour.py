@@ -268,7 +268,7 @@ for out in outputs[:2]:
 # | 08 | quantization: int8 weight-only, fp8 weights and KV cache | `quantization/` |
 # | 09 | tensor parallelism: column/row parallel layers, all-reduce | `distributed.py`, `layers/linear.py`, `layers/embed_head.py` |
 # | 10 | serving: async engine, OpenAI-compatible server, streaming | `engine/async_engine.py`, `server/` |
-# | 11 | performance: benchmark against transformers, roofline, tuning, long context | `bench.py`, `configs/`, `layers/rotary.py` (RoPE scaling) |
+# | 11 | performance: benchmark against transformers, roofline, fused kernels, async scheduling, profile, tuning, long context | `bench.py`, `profiling.py`, `tuning.py`, `kernels/rmsnorm.py`, `kernels/rope.py`, `kernels/activation.py`, `layers/fused.py`, `configs/`, `layers/rotary.py` (RoPE scaling) |
 
 # %% [markdown]
 # ## 0.8 The map of the package
@@ -317,14 +317,16 @@ print(f"{'total':<36} {total:5d} lines in {len(modules)} modules")
 # three things. First `Scheduler.schedule()` picks the batch: running sequences get one token each
 # (decode), and waiting sequences are admitted with their prompts (prefill) as long as the step's
 # token budget and the free KV-cache blocks allow; the `BlockManager` hands each sequence the
-# blocks its new tokens need. Second, `ModelRunner.run(batch)` lays all new tokens of the batch end
-# to end, computes for each one the cache slot its key and value go to (from the sequence's block
+# blocks its new tokens need. Second, `ModelRunner.launch(batch)` lays all new tokens of the batch
+# end to end, computes for each one the cache slot its key and value go to (from the sequence's block
 # table), runs the model, whose attention layers write the new keys and values into the paged cache
 # and read back everything cached for their sequence, and hands the logits of each sequence's last
-# token to the `Sampler`, which returns one token per sequence. Third, back in `LLMEngine.step`,
-# the postprocessing: append each token to its sequence, register newly filled blocks for prefix
-# caching, check the stop conditions, and on finishing free the sequence's blocks. Here is that
-# loop, as the package has it today:
+# token to the `Sampler`, which returns one token per sequence. Third, `LLMEngine._apply`, the
+# postprocessing: put each token into its sequence, register newly filled blocks for prefix
+# caching, check the stop conditions, and on finishing free the sequence's blocks. (On a GPU the
+# engine applies a step's tokens one call later, so that the CPU schedules the next step while
+# the GPU computes this one: *async scheduling*, chapter 11.) Here is that loop, as the package
+# has it today:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
