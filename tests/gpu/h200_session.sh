@@ -9,6 +9,8 @@
 #   bench        the nano-vllm workload, then transformers on the first 32 requests
 #   bench_sync   the same workload without async scheduling
 #   tuning       the workload once per knob setting (nanovllm.tuning)
+#   chapters     chapters 05, 07 and 11 executed live (nbval-lax); needs the notebook wheels in
+#                .whl (fetch them with /work/shared/gpu/fetch-wheels.sh .whl and carry .whl)
 set -u
 OUT=${OUT:-/tmp/nanovllm-gpu}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TQDM_DISABLE=1 HF_HUB_OFFLINE=1
@@ -27,6 +29,14 @@ for stage in $stages; do
     bench) run bench 300 $BENCH --peer hf --peer-requests "${PEER_REQUESTS:-32}" --out "$OUT/bench_h200.json" ;;
     bench_sync) run bench_sync 120 $BENCH --no-async-scheduling --out "$OUT/bench_h200_sync.json" ;;
     tuning) run tuning 500 python3 -m nanovllm.tuning --out "$OUT/tuning_h200.json" ;;
+    chapters)
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=$PWD:/tmp/site
+      for nb in chapters/05_*.ipynb chapters/07_*.ipynb chapters/11_*.ipynb; do
+        name=$(basename "$nb" .ipynb)
+        run "$name" 240 env NANOVLLM_KEEP_FIGURES=1 python3 -m pytest --nbval-lax "$nb" \
+          --nbval-current-env -p no:cacheprovider -q
+      done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
