@@ -34,7 +34,7 @@ for stage in $stages; do
         && export PYTHONPATH=$PWD:/tmp/site
       for nb in chapters/05_*.ipynb chapters/07_*.ipynb chapters/11_*.ipynb; do
         name=$(basename "$nb" .ipynb)
-        run "$name" 240 env NANOVLLM_KEEP_FIGURES=1 python3 -m pytest --nbval-lax "$nb" \
+        run "$name" 160 env NANOVLLM_KEEP_FIGURES=1 python3 -m pytest --nbval-lax "$nb" \
           --nbval-current-env -p no:cacheprovider -q
       done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
