@@ -32,7 +32,7 @@ for stage in $stages; do
     chapters)
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=$PWD:/tmp/site
-      for nb in chapters/05_*.ipynb chapters/07_*.ipynb chapters/11_*.ipynb; do
+      for nb in ${CHAPTERS:-chapters/05_*.ipynb chapters/07_*.ipynb chapters/11_*.ipynb}; do
         name=$(basename "$nb" .ipynb)
         run "$name" 160 env NANOVLLM_KEEP_FIGURES=1 python3 -m pytest --nbval-lax "$nb" \
           --nbval-current-env -p no:cacheprovider -q
