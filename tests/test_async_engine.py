@@ -55,6 +55,12 @@ def engine(model_dir, request):
     assert not eng.is_running
 
 
+ASYNC_TOO = pytest.mark.parametrize(
+    "engine", [{}, {"async_scheduling": True}], indirect=True, ids=["sync", "async-scheduling"]
+)
+
+
+@ASYNC_TOO
 def test_eight_producers_two_hundred_requests(engine, reference):
     results: dict[int, tuple] = {}
     errors = []
@@ -110,7 +116,13 @@ def test_bad_input_raises_in_the_callers_thread(engine, reference):
 
 
 @pytest.mark.parametrize(
-    "engine", [{"enable_prefix_caching": False}, {"enable_prefix_caching": True}], indirect=True
+    "engine",
+    [
+        {"enable_prefix_caching": False},
+        {"enable_prefix_caching": True},
+        {"enable_prefix_caching": True, "async_scheduling": True},
+    ],
+    indirect=True,
 )
 def test_abort_frees_blocks_and_ends_the_stream(engine):
     bm = engine.engine.block_manager
@@ -211,6 +223,7 @@ def test_asyncio_streams_tokens_in_order(engine, reference):
     asyncio.run(main())
 
 
+@ASYNC_TOO
 def test_stop_strings_are_never_streamed(engine, reference):
     text = reference[1].text
     stop = text[len(text) // 2 : len(text) // 2 + 3]  # cut the known output in the middle

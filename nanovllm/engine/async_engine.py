@@ -243,7 +243,9 @@ class AsyncEngine:
 
     @staticmethod
     def _new_tokens(seq: Sequence, stream: RequestStream) -> list[int]:
-        new = seq.token_ids[seq.num_prompt_tokens + stream.num_sent :]
+        # Up to the tokens delivered so far: with async scheduling a placeholder may follow.
+        start = seq.num_prompt_tokens + stream.num_sent
+        new = seq.token_ids[start : seq.num_prompt_tokens + seq.metrics.num_output_tokens]
         stream.num_sent += len(new)
         return new
 
