@@ -1,4 +1,4 @@
-"""The step loop: schedule -> run the model -> apply the new tokens (chapters 00 and 06).
+"""The step loop: schedule -> run the model -> apply the new tokens (chapters 00, 06, 11).
 
 ``add_request`` validates a request completely before it enters the engine, so bad input
 raises ``ValueError`` and never disturbs the requests already inside. ``make_sequence``

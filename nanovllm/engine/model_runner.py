@@ -1,9 +1,11 @@
-"""Turns a scheduled batch into tensors, runs the model and samples (chapters 04 and 07).
+"""Turns a scheduled batch into tensors, runs the model and samples (chapters 04, 07, 11).
 
 The runner owns the model, the KV cache and the sampler. For each step it lays the new
 tokens of every scheduled sequence end to end (decodes first), computes where each new
 token's key and value go in the cache (the *slot mapping*), runs the forward pass under
 that attention metadata and samples one token for each sequence that reached its end.
+``launch`` queues all of that without waiting for the device; ``collect`` waits for the
+tokens. Between the two the engine may plan the next step (async scheduling, chapter 11).
 """
 
 from __future__ import annotations
