@@ -177,7 +177,7 @@ class LLMEngine:
                 continue  # mid-prompt: nothing sampled
             seq.token_ids.append(PLACEHOLDER)
             if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= limit:
-                self.scheduler.running.remove(seq)  # done whatever the token: never reschedule
+                self.scheduler.retire(seq)  # done whatever the token: never reschedule
         return batch, in_flight
 
     def _apply(self, batch: ScheduledBatch, in_flight: InFlight) -> list[Sequence]:

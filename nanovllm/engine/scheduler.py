@@ -168,6 +168,11 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.append(seq)  # where in the queue does not matter: the policy ranks it
 
+    def retire(self, seq: Sequence) -> None:
+        """Schedule running ``seq`` no more: its last token is in flight and it will
+        ``finish`` when that token arrives (async scheduling, chapter 11). Keeps its blocks."""
+        self.running.remove(seq)
+
     def finish(self, seq: Sequence, reason: str) -> None:
         """End ``seq`` (whether running or waiting) and release its blocks."""
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason

@@ -46,6 +46,8 @@ import torch
 import triton  # nanovllm/kernels/__init__.py explains a missing triton
 import triton.language as tl
 
+from nanovllm.kernels import check_launchable
+
 __all__ = ["decode_attention", "choose_num_splits"]
 
 LOG2E = 1.4426950408889634
@@ -289,7 +291,7 @@ def decode_attention(
     for name, t in named.items():
         if t.stride(-1) != 1:
             raise ValueError(f"{name}'s last dimension must be contiguous")
-    _check_launchable(q)
+    check_launchable(q, _decode_split_kernel)
 
     out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if batch == 0:
@@ -366,11 +368,3 @@ def decode_attention(
             num_warps=4,
         )
     return out
-
-
-def _check_launchable(t: torch.Tensor) -> None:
-    if t.device.type != "cuda" and type(_decode_split_kernel).__name__ != "InterpretedFunction":
-        raise RuntimeError(
-            "Triton kernels on CPU tensors need the interpreter: set TRITON_INTERPRET=1 before "
-            "triton is first imported, or use the 'torch' attention backend."
-        )

@@ -36,6 +36,8 @@ import torch
 import triton  # nanovllm/kernels/__init__.py explains a missing triton
 import triton.language as tl
 
+from nanovllm.kernels import check_launchable
+
 __all__ = ["prefill_attention", "default_tiles"]
 
 
@@ -316,11 +318,7 @@ def prefill_attention(
             raise ValueError(f"{name} must be int32, got {t.dtype}")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("q, k_cache and v_cache must be contiguous in head_dim")
-    if q.device.type == "cpu" and not _is_interpreted():
-        raise RuntimeError(
-            "CPU tensors need the Triton interpreter: set TRITON_INTERPRET=1 before the "
-            "process first imports triton"
-        )
+    check_launchable(q, _prefill_attention_kernel)
 
     if out is None:
         out = torch.empty_like(q)

@@ -23,6 +23,8 @@ import torch
 import triton  # nanovllm/kernels/__init__.py explains a missing triton
 import triton.language as tl
 
+from nanovllm.kernels import check_launchable
+
 __all__ = ["store_kv"]
 
 
@@ -95,11 +97,7 @@ def store_kv(
     for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name}'s last dimension must be contiguous")
-    if key.device.type != "cuda" and type(_store_kv_kernel).__name__ != "InterpretedFunction":
-        raise RuntimeError(
-            "Triton kernels on CPU tensors need the interpreter: set TRITON_INTERPRET=1 before "
-            "triton is first imported, or use the 'torch' attention backend."
-        )
+    check_launchable(key, _store_kv_kernel)
     if n == 0:
         return
     _store_kv_kernel[(n,)](
