@@ -9,20 +9,73 @@ and the KV budget.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from nanovllm.engine.policies import get_policy
+from nanovllm.sampling_params import SEED_RANGE, Rule, check_fields, is_bool, is_int, is_number
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+# The Triton attention launchers (decode_attention, prefill_attention) refuse smaller blocks.
+TRITON_MIN_BLOCK_SIZE = 16
+
+
+def _one_of(choices: tuple[str, ...]) -> tuple[Any, str]:
+    return (lambda x: isinstance(x, str) and x in choices), f"one of {choices}"
+
+
+def _optional(test: Any) -> Any:
+    return lambda x: x is None or test(x)
+
+
+def _positive_int(x: object) -> bool:
+    return is_int(x) and x >= 1
+
+
+def _power_of_two(x: object) -> bool:
+    return _positive_int(x) and x & (x - 1) == 0
+
+
+_RULES: tuple[Rule, ...] = (
+    ("model", lambda x: isinstance(x, str | os.PathLike), "a path to a model folder"),
+    ("device", lambda x: isinstance(x, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", x),
+     "'auto', 'cpu', 'cuda' or 'cuda:N'"),
+    ("dtype", *_one_of(("auto", *DTYPES))),
+    ("load_format", *_one_of(LOAD_FORMATS)),
+    ("max_model_len", _optional(_positive_int), "None or an int >= 1"),
+    ("max_num_seqs", _positive_int, "an int >= 1"),
+    ("max_num_batched_tokens", _positive_int, "an int >= 1"),
+    ("block_size", _power_of_two, "a power of two (an int)"),
+    ("enable_prefix_caching", is_bool, "a bool"),
+    ("enable_chunked_prefill", is_bool, "a bool"),
+    ("attention_backend", *_one_of(ATTENTION_BACKENDS)),
+    ("enforce_eager", is_bool, "a bool"),
+    ("async_scheduling", _optional(is_bool), "None (on for CUDA) or a bool"),
+    ("gpu_memory_utilization", lambda x: is_number(x) and 0 < x <= 1, "a number in (0, 1]"),
+    ("num_kv_blocks", _optional(_positive_int), "None or an int >= 1"),
+    ("kv_cache_memory", _optional(_positive_int), "None or a number of bytes >= 1"),
+    ("tensor_parallel_size", is_int, "an int"),
+    ("seed", lambda x: is_int(x) and SEED_RANGE[0] <= x <= SEED_RANGE[1],
+     "an int in [-2**63, 2**64 - 1]"),
+)
 
 
 @dataclass
 class EngineConfig:
-    """All engine settings. Unknown names are rejected, never silently dropped."""
+    """All engine settings. Unknown names are rejected, never silently dropped.
+
+    Every field is checked on construction (type, range, and what this machine and the
+    chosen attention backend can run); a bad value raises ``ValueError`` naming the field,
+    the value and what is allowed. ``"auto"`` values are resolved here, except
+    ``attention_backend``, which the model runner resolves by the same rule.
+    """
 
     model: str
     device: str = "auto"  # "auto" picks cuda when available, else cpu
@@ -55,37 +108,55 @@ class EngineConfig:
         return cls(model=model, **kwargs)
 
     def __post_init__(self) -> None:
-        if self.device == "auto":
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if self.async_scheduling is None:
-            self.async_scheduling = self.device.startswith("cuda")
-        if self.dtype == "auto":
-            self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {self.dtype!r}")
-        if self.load_format not in LOAD_FORMATS:
-            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
+        check_fields(self, _RULES)
+        if self.tensor_parallel_size != 1:
             raise ValueError(
-                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
-                f"got {self.attention_backend!r}"
+                "EngineConfig.tensor_parallel_size must be 1 (tensor parallelism is not "
+                f"supported yet), got {self.tensor_parallel_size}"
             )
-        if not os.path.isfile(os.path.join(str(self.model), "config.json")):
+        if not os.path.isfile(os.path.join(self.model, "config.json")):
             raise ValueError(
                 f"model {self.model!r} is not a folder with a config.json; pass the path of a "
                 "Hugging Face model folder (nanovllm.smollm2_path() gives one)"
             )
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError("gpu_memory_utilization must be in (0, 1]")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet")
+        self._resolve_device()
+        if self.async_scheduling is None:
+            self.async_scheduling = self.device.startswith("cuda")
+        if self.dtype == "auto":
+            self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
+        self._check_backend()
+        get_policy(self.scheduler_policy)  # raises for a bad one; the scheduler makes its own
+
+    def _resolve_device(self) -> None:
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cpu":
+            return
+        if not torch.cuda.is_available():
+            raise ValueError(f"EngineConfig.device is {self.device!r} but CUDA is not available")
+        index = torch.device(self.device).index
+        if index is not None and index >= torch.cuda.device_count():
+            count = torch.cuda.device_count()
+            raise ValueError(f"EngineConfig.device is {self.device!r} but there are {count} GPUs")
+
+    def _check_backend(self) -> None:
+        """Refuse, now rather than at the first step, what the chosen backend cannot run."""
+        backend = self.attention_backend
+        if backend == "auto":  # the rule of nanovllm.layers.attention.select_backend
+            on_cuda = self.device.startswith("cuda")
+            backend = "triton" if on_cuda and importlib.util.find_spec("triton") else "torch"
+        if backend == "flash_attn":
+            raise ValueError("attention_backend='flash_attn' needs the flash-attn package")
+        if backend != "triton":
+            return
+        if importlib.util.find_spec("triton") is None:
+            raise ValueError("attention_backend='triton' needs the triton package")
+        if self.block_size < TRITON_MIN_BLOCK_SIZE:
+            raise ValueError(
+                f"block_size {self.block_size} is too small for the Triton attention kernels "
+                f"(attention_backend={self.attention_backend!r} on {self.device}): use "
+                f"block_size >= {TRITON_MIN_BLOCK_SIZE}, or attention_backend='torch'"
+            )
 
     @property
     def torch_dtype(self) -> torch.dtype:

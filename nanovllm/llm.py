@@ -7,6 +7,7 @@ print(outputs[0].text)
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -14,10 +15,12 @@ from tqdm.auto import tqdm
 
 from nanovllm.config import EngineConfig
 from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.engine.output_processor import RequestState
+from nanovllm.engine.sequence import Sequence
+from nanovllm.inputs import as_prompt_list
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
-Prompt = str | list[int]
 Message = dict[str, str]
 
 
@@ -28,37 +31,68 @@ class LLM:
         self.engine = LLMEngine(EngineConfig.from_kwargs(str(model), **options))
         self.tokenizer = self.engine.tokenizer
         self.config = self.engine.config
+        self._turn = threading.Lock()  # one generate() at a time
 
     def generate(
         self,
-        prompts: Prompt | Seq[Prompt],
+        prompts: Any,
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate completions for all prompts together; outputs come in prompt order.
 
-        ``prompts`` is a string, a list of token ids, or a list of either.
-        ``sampling_params`` is one ``SamplingParams`` for all prompts or one per prompt.
-        Every prompt is validated before any is submitted: one bad prompt raises
-        ``ValueError`` and nothing runs.
-        """
-        prompts = _as_prompt_list(prompts)
-        params = _as_params_list(sampling_params, len(prompts))
-        seqs = [self.engine.make_sequence(p, sp) for p, sp in zip(prompts, params)]
-        for seq in seqs:
-            self.engine.add_sequence(seq)
-        bar = tqdm(total=len(seqs), desc="Generating", disable=not use_tqdm, unit="req")
-        with bar:
-            while any(not s.is_finished for s in seqs):
-                finished = [s for s in self.engine.step() if s.is_finished]
-                bar.update(len(finished))
-        return [self.engine.output(s) for s in seqs]
+        ``prompts`` is one prompt or a list of them, each in a shape of ``nanovllm.inputs``
+        (text, token ids, a ``{"prompt": ...}`` or ``{"prompt_token_ids": ...}`` dict, a 1-D
+        integer array). ``sampling_params`` is one ``SamplingParams`` for all prompts or one
+        per prompt; ``priority`` one integer per prompt (lower first) for
+        ``scheduler_policy="priority"``. Every prompt is validated before any is submitted:
+        one bad prompt raises ``ValueError`` and nothing runs. A request that fails on its
+        own comes back with ``finish_reason == "error"`` and the message in ``error``.
 
+        Calls from several threads take turns: each waits for the one running (for many
+        concurrent clients use ``AsyncEngine``, chapter 10). If the call is interrupted
+        (Ctrl-C) or raises, its requests are aborted and their KV blocks freed first.
+        """
+        prompts = as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompts))
+        priorities = _as_priority_list(priority, len(prompts))
+        seqs = [
+            self.engine.make_sequence(p, sp, None, pr)
+            for p, sp, pr in zip(prompts, params, priorities)
+        ]
+        with self._turn:
+            states = self._run(seqs, use_tqdm)
+        return [state.output() for state in states]
+
+    def _run(self, seqs: list[Sequence], use_tqdm: bool) -> list[RequestState]:
+        states: dict[str, RequestState] = {}
+        try:
+            for seq in seqs:
+                self.engine.add_sequence(seq)
+                states[seq.request_id] = RequestState(seq, self.tokenizer)
+            unfinished = len(states)
+            bar = tqdm(total=unfinished, desc="Generating", disable=not use_tqdm, unit="req")
+            with bar:
+                while unfinished:
+                    for out in self.engine.step():
+                        state = states.get(out.request_id)
+                        if state is None:
+                            continue  # another caller's request: not ours to report
+                        state.update(out)
+                        if out.finished:
+                            unfinished -= 1
+                            bar.update(1)
+        except BaseException:  # Ctrl-C included: leave nothing of this call in the engine
+            self.engine.abort_request(rid for rid, st in states.items() if not st.finished)
+            raise
+        return list(states.values())
     def chat(
         self,
         messages: list[Message] | list[list[Message]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation (a list of ``{"role", "content"}``) or several, using
         the model's chat template."""
@@ -73,31 +107,28 @@ class LLM:
         ]
         # The template already holds any start-of-text token: don't let encode add another.
         prompts = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
-        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        outputs = self.generate(prompts, sampling_params, use_tqdm, priority)
         for out, text in zip(outputs, texts):
             out.prompt = text
         return outputs
-
-
-def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
-    prompts = list(prompts)
-    if not prompts:
-        raise ValueError("no prompts given")
-    if isinstance(prompts[0], int):
-        return [prompts]
-    return prompts
 
 
 def _as_params_list(
     params: SamplingParams | Seq[SamplingParams] | None, n: int
 ) -> list[SamplingParams]:
     if params is None:
-        return [SamplingParams() for _ in range(n)]
+        return [SamplingParams()] * n
     if isinstance(params, SamplingParams):
         return [params] * n
     params = list(params)
     if len(params) != n:
         raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
     return params
+
+
+def _as_priority_list(priority: list[int] | None, n: int) -> list[int]:
+    if priority is None:
+        return [0] * n
+    if not isinstance(priority, (list, tuple)) or len(priority) != n:
+        raise ValueError(f"priority must be a list of one integer per prompt, got {priority!r}")
+    return list(priority)

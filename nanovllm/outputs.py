@@ -3,7 +3,7 @@
 ``LLM.generate`` returns vLLM-shaped ``RequestOutput`` objects, each with its
 ``RequestMetrics``. The async engine (``engine/async_engine.py``) hands out a
 ``RequestStream`` per request, which yields ``StreamChunk``s whose text comes from an
-``IncrementalDetokenizer`` running in the consumer's thread.
+``IncrementalDetokenizer`` (``nanovllm/detokenizer.py``) running in the consumer's thread.
 """
 
 from __future__ import annotations
@@ -13,6 +13,9 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+from nanovllm.detokenizer import IncrementalDetokenizer
+from nanovllm.sampling_params import SamplingParams
 
 
 @dataclass
@@ -64,7 +67,10 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    # "stop", "length", "abort", "error" (see RequestOutput.error), or None while running
+    finish_reason: str | None
+    # with "stop": the stop string or stop token id that ended it (None for EOS), as in vLLM
+    stop_reason: int | str | None = None
 
 
 @dataclass
@@ -75,6 +81,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    # Ours, not vLLM's: with finish_reason "error", what went wrong (the engine goes on).
+    error: str | None = None
 
     @property
     def text(self) -> str:
@@ -107,56 +115,6 @@ class StreamChunk:
     output: RequestOutput | None = field(default=None, repr=False)
 
 
-class IncrementalDetokenizer:
-    """Text deltas for a growing list of token ids, at a cost per call that does not grow
-    with the length of the output (chapter 10).
-
-    Decoding the whole output after every token would cost O(n^2) over a request. Instead
-    each call decodes only a short window: the tokens emitted by the previous call (as
-    context, because a token's text can depend on its neighbour, e.g. a leading space) plus
-    the new ones, and returns the difference. A window whose text ends in U+FFFD is an
-    incomplete UTF-8 character: nothing is emitted until the next token completes it.
-    With stop strings, the last ``len(longest stop) - 1`` characters are held back, so
-    that streamed text never shows the beginning of a stop string the output then cuts.
-    """
-
-    def __init__(self, tokenizer: Any, stop: list[str] = ()) -> None:
-        self.tokenizer = tokenizer
-        self.hold_back = max((len(s) for s in stop), default=1) - 1
-        self._ids: list[int] = []
-        self._prefix = 0  # start of the context window
-        self._read = 0  # tokens whose text has been decoded
-        self._pending = ""  # decoded but held back
-        self._emitted: list[str] = []
-        self._emitted_len = 0
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def push(self, token_ids: list[int]) -> str:
-        """Take the new token ids; return the text they add (possibly empty)."""
-        if self.tokenizer is None or not token_ids:
-            return ""
-        self._ids.extend(token_ids)
-        before = self._decode(self._ids[self._prefix : self._read])
-        after = self._decode(self._ids[self._prefix :])
-        if after.endswith("\ufffd"):
-            return ""  # wait for the rest of the character
-        self._prefix, self._read = self._read, len(self._ids)
-        self._pending += after[len(before) :]
-        cut = max(len(self._pending) - self.hold_back, 0)
-        out, self._pending = self._pending[:cut], self._pending[cut:]
-        self._emitted.append(out)
-        self._emitted_len += len(out)
-        return out
-
-    def finish(self, final_text: str) -> str:
-        """The rest of ``final_text`` after what was streamed (the output is authoritative)."""
-        if not final_text.startswith("".join(self._emitted)):
-            return ""  # a tokenizer whose text is not a concatenation; nothing to add
-        return final_text[self._emitted_len :]
-
-
 # What the engine thread sends a stream: (new token ids, final output or None, error or None)
 Item = tuple[list[int], RequestOutput | None, BaseException | None]
 
@@ -168,14 +126,16 @@ class RequestStream:
     through a ``SimpleQueue`` (or, via ``sink``, an asyncio queue), in order.
     """
 
-    def __init__(self, request_id: str, tokenizer: Any, stop: list[str]) -> None:
+    def __init__(self, request_id: str, tokenizer: Any, params: SamplingParams) -> None:
         self.request_id = request_id
         self._items: queue.SimpleQueue[Item] = queue.SimpleQueue()
         self.sink: Callable[[Item], None] = self._items.put  # the asyncio bridge replaces it
         self._done = threading.Event()
         self._output: RequestOutput | None = None
         self._error: BaseException | None = None
-        self._detokenizer = IncrementalDetokenizer(tokenizer, stop)
+        self._detokenizer = IncrementalDetokenizer(
+            tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
+        )
         self.num_sent = 0  # output tokens handed out so far (engine thread only)
         self._read_to_end = False  # a second iteration then ends at once instead of blocking
 

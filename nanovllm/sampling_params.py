@@ -2,21 +2,125 @@
 
 Field names follow vLLM's ``SamplingParams`` so that what readers learn here transfers.
 Every field is validated on construction: a bad value raises ``ValueError`` naming the
-field, before the request ever reaches the engine.
+field, the value and what is allowed, before the request ever reaches the engine, where
+it could only fail (or, worse, quietly produce garbage) in the middle of a batch that
+other requests share. The checks are a table of rules, ``(field, test, what is allowed)``;
+``EngineConfig`` (chapter 00) reuses the same helpers.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
+
+# Below this a temperature is treated as 0, i.e. greedy (vLLM's _SAMPLING_EPS): dividing
+# logits by, say, 1e-38 overflows to inf and the softmax turns into NaN.
+SAMPLING_EPS = 1e-5
+# The sampler applies top_p in float32; smaller values would round to 0 there and drop every
+# token. Raised to this they still keep exactly the most likely token, as intended.
+_FP32_TINY = 2.0**-126
+# What torch.Generator.manual_seed accepts: any signed or unsigned 64-bit integer.
+SEED_RANGE = (-(2**63), 2**64 - 1)
+# Priorities, like seeds, are 64-bit; far beyond that they would overflow the float math of
+# PriorityPolicy (chapter 06) and fail a whole engine step.
+PRIORITY_RANGE = (-(2**63), 2**63 - 1)
+# top_k travels to the device as a float32 and then an int64; beyond this no vocabulary
+# reaches and the conversion could overflow.
+MAX_TOP_K = 2**31 - 1
+
+Rule = tuple[str, Callable[[Any], bool], str]  # (field, test, what is allowed)
+
+
+def is_int(x: object) -> bool:
+    """An integer, numpy's included, but not a bool (``True`` is not a token count)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def is_number(x: object) -> bool:
+    """A real number that is not a bool and not NaN (inf passes; see ``is_finite``)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and x == x
+
+
+def is_finite(x: object) -> bool:
+    """A real number that a float can hold: not NaN, not inf, not an int beyond 1.8e308."""
+    try:
+        return is_number(x) and math.isfinite(float(x))
+    except OverflowError:
+        return False
+
+
+def is_bool(x: object) -> bool:
+    return isinstance(x, bool)
+
+
+def is_optional_str(x: object) -> bool:
+    return x is None or isinstance(x, str)
+
+
+def check_fields(obj: object, rules: Iterable[Rule]) -> None:
+    """Raise ``ValueError`` for the first field of ``obj`` that fails its rule; turn the
+    numbers that pass into plain ``int``/``float`` (numpy scalars would leak downstream)."""
+    for name, test, allowed in rules:
+        value = getattr(obj, name)
+        if not test(value):
+            raise ValueError(f"{type(obj).__name__}.{name} must be {allowed}, got {value!r}")
+        if is_int(value):
+            setattr(obj, name, int(value))
+        elif is_number(value) and not isinstance(value, float):
+            setattr(obj, name, float(value))
+
+
+def _seconds(x: object) -> bool:
+    """None, or a duration > 0 that a float holds (inf allowed: "no hurry")."""
+    return x is None or (is_number(x) and x > 0 and (isinstance(x, float) or is_finite(x)))
+
+
+def _token_ids(x: object) -> bool:
+    return isinstance(x, list) and all(is_int(t) and t >= 0 for t in x)
+
+
+def _stop_strings(x: object) -> bool:
+    return isinstance(x, list) and all(isinstance(s, str) and s for s in x)
+
+
+_RULES: tuple[Rule, ...] = (
+    ("temperature", lambda x: is_finite(x) and x >= 0, "a finite number >= 0 (0 = greedy)"),
+    ("top_k", lambda x: is_int(x) and (x == -1 or 1 <= x <= MAX_TOP_K),
+     f"-1 (off) or an int in [1, {MAX_TOP_K}]"),
+    ("top_p", lambda x: is_number(x) and 0 < x <= 1, "a number in (0, 1] (1 = off)"),
+    ("min_p", lambda x: is_number(x) and 0 <= x <= 1, "a number in [0, 1] (0 = off)"),
+    ("seed", lambda x: x is None or (is_int(x) and SEED_RANGE[0] <= x <= SEED_RANGE[1]),
+     "None or an int in [-2**63, 2**64 - 1]"),
+    ("max_tokens", lambda x: is_int(x) and x >= 1, "an int >= 1"),
+    ("ignore_eos", is_bool, "a bool"),
+    ("stop_token_ids", _token_ids, "a token id (int >= 0) or a list of them"),
+    ("stop", _stop_strings, "a non-empty string or a list of them"),
+    ("include_stop_str_in_output", is_bool, "a bool"),
+    ("skip_special_tokens", is_bool, "a bool"),
+    ("priority", lambda x: is_int(x) and PRIORITY_RANGE[0] <= x <= PRIORITY_RANGE[1],
+     "an int in [-2**63, 2**63 - 1] (lower = more important)"),
+    ("deadline", _seconds, "None or seconds > 0 (inf allowed)"),
+    ("user", is_optional_str, "None or a string"),
+    ("request_class", is_optional_str, "None or a string"),
+)
 
 
 @dataclass
 class SamplingParams:
     """Per-request decoding settings.
 
-    ``temperature == 0`` means greedy decoding. ``top_k = -1`` and ``top_p = 1`` disable
-    those filters; ``min_p = 0`` disables min-p. A ``seed`` makes the request's random
-    choices reproducible regardless of what else is in the batch.
+    ``temperature == 0`` means greedy decoding; temperatures below ``SAMPLING_EPS`` (1e-5)
+    are set to 0 on construction, as vLLM treats them. ``top_k = -1`` and ``top_p = 1``
+    disable those filters; ``min_p = 0`` disables min-p. A ``seed`` makes the request's
+    random choices reproducible regardless of what else is in the batch.
+
+    ``stop_token_ids`` and ``stop`` end the request when a listed token or string is
+    produced; a single id or string stands for a one-element list. As in vLLM, the text
+    of a matched stop string is cut from the output unless ``include_stop_str_in_output``,
+    and special tokens are left out of the text when ``skip_special_tokens``.
 
     The last four fields only steer scheduling (``nanovllm.engine.policies``, chapter 06):
     ``priority`` and ``deadline`` for ``"priority"``, ``user`` for ``"fair"`` and
@@ -32,46 +136,30 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     priority: int = 0  # lower = more important, as in vLLM (scheduler_policy="priority")
     deadline: float | None = None  # latency target, seconds after arrival (chapter 06)
     user: str | None = None  # tenant, for scheduler_policy="fair"
     request_class: str | None = None  # e.g. "interactive" / "batch", for "mixed"
 
     def __post_init__(self) -> None:
+        # One id or string stands for a list of one; copies, so the caller's list can change.
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop_token_ids = list(self.stop_token_ids)
-        checks = [
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
-            (self.top_k == -1 or self.top_k >= 1, f"top_k must be -1 or >= 1, got {self.top_k}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
-            (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty"),
-            (_is_int(self.priority), f"priority must be an integer, got {self.priority!r}"),
-            (
-                self.deadline is None or _is_positive_number(self.deadline),
-                f"deadline must be None or seconds > 0, got {self.deadline!r}",
-            ),
-            (self.user is None or isinstance(self.user, str), "user must be a string or None"),
-            (
-                self.request_class is None or isinstance(self.request_class, str),
-                "request_class must be a string or None",
-            ),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
+        elif isinstance(self.stop, tuple | list):
+            self.stop = list(self.stop)
+        if is_int(self.stop_token_ids):
+            self.stop_token_ids = [self.stop_token_ids]
+        elif isinstance(self.stop_token_ids, tuple | list):
+            self.stop_token_ids = list(self.stop_token_ids)
+        check_fields(self, _RULES)
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        self.temperature = 0.0 if self.temperature < SAMPLING_EPS else float(self.temperature)
+        self.top_p = max(float(self.top_p), _FP32_TINY)
+        self.min_p = float(self.min_p)
+        self.deadline = None if self.deadline is None else float(self.deadline)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_positive_number(x: object) -> bool:
-    # `x == x` rejects NaN; inf is allowed (it means "no hurry")
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x and x > 0

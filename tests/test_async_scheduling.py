@@ -22,7 +22,7 @@ def tiny(tmp_path_factory):
 def run(path, params, prompts=PROMPTS, **options):
     llm = LLM(path, num_kv_blocks=options.pop("num_kv_blocks", 256), **options)
     outs = llm.generate(prompts, params, use_tqdm=False)
-    assert not llm.engine.has_unfinished()
+    assert not llm.engine.has_unfinished_requests()
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
     return llm, outs
 
@@ -92,11 +92,16 @@ def test_stop_strings_with_a_tokenizer(tmp_path, smollm2_dir):
 def test_abort_while_a_step_is_in_flight(tiny):
     llm = LLM(tiny, num_kv_blocks=256, async_scheduling=True)
     engine = llm.engine
-    ids = [engine.add_request(p, SamplingParams(max_tokens=20, ignore_eos=True)) for p in PROMPTS]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    ids = [engine.add_request(None, p, params) for p in PROMPTS]
     for _ in range(3):
         engine.step()
-    seq = engine.abort(ids[0])
+    seq = engine.requests[ids[0]]
+    [out] = engine.abort_request(ids[0])
+    assert out.finish_reason == "abort" and out.new_token_ids == []
     assert seq.finish_reason == "abort" and PLACEHOLDER not in seq.token_ids
-    while engine.has_unfinished():
-        engine.step()
+    assert engine.abort_request(ids[0]) == []  # over already
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id != ids[0] and PLACEHOLDER not in out.new_token_ids
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -85,14 +85,14 @@ def test_one_bad_prompt_submits_nothing_and_others_still_complete(llm):
     expected = [o.token_ids for o in llm.generate(good, GREEDY, use_tqdm=False)]
     with pytest.raises(ValueError):
         llm.generate(good + [""], GREEDY, use_tqdm=False)
-    assert not llm.engine.has_unfinished()
+    assert not llm.engine.has_unfinished_requests()
     # a request already inside the engine survives a bad one submitted beside it
-    request_id = llm.engine.add_request(good[0], GREEDY)
+    request_id = llm.engine.add_request(None, good[0], GREEDY)
     with pytest.raises(ValueError):
-        llm.engine.add_request("word " * 200, GREEDY)
-    finished = {}
-    while llm.engine.has_unfinished():
-        finished.update({s.request_id: s for s in llm.engine.step() if s.is_finished})
-    assert finished[request_id].output_token_ids == expected[0]
+        llm.engine.add_request(None, "word " * 200, GREEDY)
+    tokens = []
+    while llm.engine.has_unfinished_requests():
+        tokens += [t for out in llm.engine.step() for t in out.new_token_ids]
+    assert tokens == expected[0]
     again = [o.token_ids for o in llm.generate(good, GREEDY, use_tqdm=False)]
     assert again == expected

@@ -36,7 +36,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if not self.bm.allocate(seq, n, cached):
             return False
         seq.num_computed_tokens += n
-        self.bm.cache_full_blocks(seq)
+        self.bm.cache_full_blocks(seq, seq.num_computed_tokens)
         return True
 
     @rule(target=seqs, tokens=prompts)
@@ -58,7 +58,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 self.live.remove(seq)
                 return
             seq.num_computed_tokens += 1
-            self.bm.cache_full_blocks(seq)
+            self.bm.cache_full_blocks(seq, seq.num_computed_tokens)
 
     @rule(seq=seqs)
     def finish(self, seq):
@@ -115,7 +115,7 @@ def test_shared_prefix_is_shared_and_last_token_is_always_computed():
     first = Sequence(list(range(12)), PARAMS)
     assert bm.allocate(first, 12)
     first.num_computed_tokens = 12
-    bm.cache_full_blocks(first)
+    bm.cache_full_blocks(first, first.num_computed_tokens)
     # the same 12 tokens again: only 2 of 3 full blocks may come from the cache
     again = Sequence(list(range(12)), PARAMS)
     cached = bm.cached_prefix(again)
@@ -137,7 +137,7 @@ def test_hash_collision_is_caught_by_comparing_tokens():
     seq = Sequence([1, 2, 3, 4, 5], PARAMS)
     assert bm.allocate(seq, 5)
     seq.num_computed_tokens = 5
-    bm.cache_full_blocks(seq)
+    bm.cache_full_blocks(seq, seq.num_computed_tokens)
     bm.blocks[seq.block_table[0]].token_ids = (9, 9, 9, 9)  # pretend a different block collided
     assert bm.cached_prefix(Sequence([1, 2, 3, 4, 5], PARAMS)) == []
 
@@ -147,7 +147,7 @@ def test_freed_blocks_stay_cached_until_recycled_oldest_first():
     a = Sequence([1] * 4 + [2], PARAMS)
     assert bm.allocate(a, 5)
     a.num_computed_tokens = 5
-    bm.cache_full_blocks(a)
+    bm.cache_full_blocks(a, a.num_computed_tokens)
     full_block = a.block_table[0]
     bm.free(a)
     assert bm.cached_prefix(Sequence([1] * 4 + [3], PARAMS)) == [full_block]  # still findable

@@ -39,10 +39,11 @@ class Sim:
         self.finished_step: dict[str, int] = {}
         self._next_token = 1000
 
-    def submit(self, name: str, prompt_len=4, max_tokens=2, **params) -> Sequence:
+    def submit(self, name: str, prompt_len=4, max_tokens=2, priority=0, **params) -> Sequence:
         self._next_token += prompt_len  # distinct prompts
         tokens = list(range(self._next_token, self._next_token + prompt_len))
-        seq = Sequence(tokens, SamplingParams(max_tokens=max_tokens, **params), request_id=name)
+        params = SamplingParams(max_tokens=max_tokens, **params)
+        seq = Sequence(tokens, params, request_id=name, priority=priority)
         seq.metrics.arrival_time = self.now
         self.sched.add(seq)
         return seq

@@ -204,7 +204,7 @@ def test_preemption_and_prefix_cache_metrics(tiny):
 
 def test_priority_reaches_the_engine(tiny):
     llm = make_llm(tiny, num_kv_blocks=64, scheduler_policy="priority", max_num_seqs=1)
-    params = [SamplingParams(temperature=0, max_tokens=2, priority=p) for p in (2, 0, 1)]
-    outs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=2)
+    outs = llm.generate(PROMPTS[:3], params, use_tqdm=False, priority=[2, 0, 1])
     order = sorted(range(3), key=lambda i: outs[i].metrics.first_scheduled_time)
     assert order == [1, 2, 0]

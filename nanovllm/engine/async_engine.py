@@ -15,8 +15,8 @@ Threading model
 - One *engine thread* owns the ``LLMEngine``: only it changes engine state (scheduler,
   block manager, KV cache, model). Its loop takes every command waiting in the inbox
   (add, abort), applies them, runs one ``step()`` if there is work, and hands each
-  request's new tokens to its stream. With nothing to do it sleeps on a condition
-  variable until a command arrives: no busy spinning.
+  request's new tokens (the step's ``EngineCoreOutput`` deltas) to its stream. With nothing
+  to do it sleeps on a condition variable until a command arrives: no busy spinning.
 - *Producers* (any threads) call ``submit``, ``abort`` and ``shutdown``. ``submit``
   validates in the caller's thread (``ValueError`` is raised there, so bad input never
   reaches the engine thread) and appends to the inbox under a lock. ``abort`` and
@@ -26,8 +26,13 @@ Threading model
   keeps the step loop lean. ``stream``/``generate`` bridge into asyncio by forwarding the
   same items into an ``asyncio.Queue`` with ``loop.call_soon_threadsafe``.
 - Every stream ends, one way or another: finished ("stop"/"length"), aborted ("abort",
-  also when ``shutdown(wait=False)`` cuts it short), or with an ``EngineError`` when a
-  step raised (the engine is then dead and refuses new requests).
+  also when ``shutdown(wait=False)`` cuts it short), failed on its own ("error": its
+  output's ``error`` says why; every other request goes on), or with an ``EngineError``
+  when a step raised an error that is not one request's (see ``llm_engine.py``: the
+  engine is then dead, every stream ends so and new requests are refused).
+- The tokenizer is shared by producers (encode), the engine thread and consumers
+  (decode); ``nanovllm.tokenizer.Tokenizer`` serializes its calls, so that is safe.
+- Request ids a producer leaves out are generated and never collide with ids in use.
 - While an ``AsyncEngine`` runs an ``LLMEngine``, nothing else may call that engine (nor
   an ``LLM`` built on it); reading ``engine.stats`` / ``timeline.to_records()`` is fine.
 """
@@ -41,6 +46,7 @@ from typing import Any
 
 from nanovllm.config import EngineConfig
 from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.engine.output_processor import EngineCoreOutput, RequestState
 from nanovllm.engine.sequence import Sequence
 from nanovllm.outputs import Item, RequestOutput, RequestStream, StreamChunk
 from nanovllm.sampling_params import SamplingParams
@@ -77,14 +83,13 @@ class AsyncEngine:
         self.engine = engine
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
-        self._tokenizer_lock = threading.Lock()
         # guarded by _lock: commands for the engine thread, and the streams not yet ended
         self._inbox: list[tuple] = []
         self._streams: dict[str, RequestStream] = {}
         self._refusal: EngineError | None = None  # set once no more requests are taken
         self._stop: str | None = None  # None, "drain" (finish all) or "abort"
         self._closed = False  # the engine thread has stopped reading the inbox
-        self._active: dict[str, RequestStream] = {}  # engine thread only
+        self._active: dict[str, tuple[RequestStream, RequestState]] = {}  # engine thread
         self._thread = threading.Thread(target=self._run, name="nanovllm-engine", daemon=True)
         self._thread.start()
 
@@ -96,28 +101,28 @@ class AsyncEngine:
     # -- producers -----------------------------------------------------------------------
     def submit(
         self,
-        prompt: str | list[int],
+        prompt: Any,
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        priority: int = 0,
     ) -> RequestStream:
         """Queue a request; returns its stream at once. Raises ``ValueError`` (bad input)
         or ``EngineError`` (shut down or failed) in the calling thread."""
-        return self._submit(prompt, params, request_id, None)
+        return self._submit(prompt, params, request_id, priority, None)
 
-    def _submit(self, prompt, params, request_id, sink) -> RequestStream:
+    def _submit(self, prompt, params, request_id, priority, sink) -> RequestStream:
         params = SamplingParams() if params is None else params
-        if request_id is not None and not isinstance(request_id, str):
-            raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
-        with self._tokenizer_lock:  # a HF fast tokenizer may refuse concurrent use
-            seq: Sequence = self.engine.make_sequence(prompt, params, request_id)
-        stream = RequestStream(seq.request_id, self.engine.tokenizer, params.stop)
-        if sink is not None:
-            stream.sink = sink
+        seq: Sequence = self.engine.make_sequence(prompt, params, request_id, priority)
         with self._lock:
             if self._refusal is not None:
                 raise self._refusal
             if seq.request_id in self._streams:
-                raise ValueError(f"request id {seq.request_id!r} is already in use")
+                if seq.has_user_request_id:
+                    raise ValueError(f"request id {seq.request_id!r} is already in use")
+                seq.request_id = seq.fresh_request_id(self._streams)
+            stream = RequestStream(seq.request_id, self.engine.tokenizer, params)
+            if sink is not None:
+                stream.sink = sink
             self._streams[seq.request_id] = stream
             self._inbox.append(("add", seq, stream))
             self._wakeup.notify()
@@ -163,9 +168,10 @@ class AsyncEngine:
     # -- asyncio -------------------------------------------------------------------------
     def stream(
         self,
-        prompt: str | list[int],
+        prompt: Any,
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        priority: int = 0,
     ) -> AsyncRequestStream:
         """Submit now (errors raise here) and return an async iterable of chunks; call it
         from a coroutine: ``async for chunk in engine.stream(prompt, params): ...``."""
@@ -178,41 +184,46 @@ class AsyncEngine:
             except RuntimeError:  # the event loop is closed: nobody is listening
                 pass
 
-        return AsyncRequestStream(self, self._submit(prompt, params, request_id, sink), items)
+        stream = self._submit(prompt, params, request_id, priority, sink)
+        return AsyncRequestStream(self, stream, items)
 
     async def generate(
         self,
-        prompt: str | list[int],
+        prompt: Any,
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        priority: int = 0,
     ) -> RequestOutput:
         """The final output of one request, awaited without blocking the event loop."""
-        async for chunk in self.stream(prompt, params, request_id):
+        async for chunk in self.stream(prompt, params, request_id, priority):
             if chunk.finished:
                 return chunk.output
         raise AssertionError("a stream always ends with a finished chunk")
 
     # -- the engine thread ---------------------------------------------------------------
     def _run(self) -> None:
+        busy = self.engine.has_unfinished_requests
         try:
-            stalled = False
+            idle = False
             while True:
                 with self._lock:
-                    while not (self._inbox or self._stop or self.engine.has_unfinished()):
+                    while not (self._inbox or self._stop or busy()):
                         self._wakeup.wait()
-                    if stalled and not self._inbox and not self._stop:
+                    if idle and not self._inbox and not self._stop:
                         self._wakeup.wait(0.01)  # nothing could be scheduled: don't spin
                     commands, self._inbox = self._inbox, []
                     stop = self._stop
                 for command in commands:
                     self._apply(command)
-                if stop == "abort" or (stop == "drain" and not self.engine.has_unfinished()):
-                    self._abort_all()
+                if stop == "abort" or (stop == "drain" and not busy()):
+                    self._publish(self.engine.abort_request(list(self._active)))
                     break
-                if self.engine.has_unfinished():
+                if busy():
                     steps = self.engine.stats.num_steps
-                    self._publish(self.engine.step())
-                    stalled = self.engine.stats.num_steps == steps
+                    outputs = self.engine.step()
+                    self._publish(outputs)
+                    # idle: the step neither ran anything nor delivered anything
+                    idle = not outputs and self.engine.stats.num_steps == steps
         except BaseException as exc:  # a failed step must not leave any stream hanging
             self._fail_all(exc)
         finally:
@@ -221,44 +232,34 @@ class AsyncEngine:
     def _apply(self, command: tuple) -> None:
         if command[0] == "add":
             _, seq, stream = command
-            self.engine.add_sequence(seq)
-            self._active[seq.request_id] = stream
+            state = RequestState(seq, self.engine.tokenizer)
+            self._active[seq.request_id] = (stream, state)
+            try:
+                self.engine.add_sequence(seq)
+            except ValueError as err:  # e.g. its id was taken directly on the LLMEngine
+                self._publish([EngineCoreOutput(seq.request_id, [], "error", error=str(err))])
         else:
             _, request_id, done, aborted = command
-            seq = self.engine.abort(request_id)
-            if seq is not None:
-                self._end(seq)
-                aborted.append(True)
+            outputs = self.engine.abort_request(request_id)
+            self._publish(outputs)
+            aborted.append(bool(outputs))
             done.set()
 
-    def _publish(self, updated: list[Sequence]) -> None:
-        for seq in updated:
-            stream = self._active.get(seq.request_id)
-            if stream is None:
+    def _publish(self, outputs: list[EngineCoreOutput]) -> None:
+        for out in outputs:
+            entry = self._active.get(out.request_id)
+            if entry is None:
                 continue  # added behind our back (e.g. directly on the LLMEngine)
-            if seq.is_finished:
-                self._end(seq)
-            else:
-                stream.push(self._new_tokens(seq, stream))
-
-    @staticmethod
-    def _new_tokens(seq: Sequence, stream: RequestStream) -> list[int]:
-        # Up to the tokens delivered so far: with async scheduling a placeholder may follow.
-        start = seq.num_prompt_tokens + stream.num_sent
-        new = seq.token_ids[start : seq.num_prompt_tokens + seq.metrics.num_output_tokens]
-        stream.num_sent += len(new)
-        return new
-
-    def _end(self, seq: Sequence) -> None:
-        output = self.engine.output(seq)  # first: if it raises, the stream is still listed
-        stream = self._active.pop(seq.request_id)
-        with self._lock:
-            self._streams.pop(seq.request_id, None)
-        stream.end(self._new_tokens(seq, stream), output)
-
-    def _abort_all(self) -> None:
-        for request_id in list(self._active):
-            self._end(self.engine.abort(request_id))
+            stream, state = entry
+            state.update(out)
+            if not out.finished:
+                stream.push(out.new_token_ids)
+                continue
+            output = state.output()  # first: if it raises, the stream is still listed
+            del self._active[out.request_id]
+            with self._lock:
+                self._streams.pop(out.request_id, None)
+            stream.end(out.new_token_ids, output)
 
     def _fail_all(self, exc: BaseException) -> None:
         error = EngineError(f"engine step failed: {exc!r}")

@@ -6,6 +6,14 @@ every token up to and including it, so two requests with the same prefix can sha
 blocks of that prefix (reference-counted). A freed block keeps its contents and its hash;
 it is only recycled, least recently freed first, when a fresh block is needed, so a later
 request with the same prefix can still find it.
+
+A block's hash is registered as soon as its computation is *scheduled* (in ``allocate``),
+as vLLM does, not when the step finishes: a request admitted in the same step, or in the
+next one while this one is still running on the GPU (async scheduling), already reuses it.
+That is safe because within a layer the step stores every token's keys and values before
+any attention reads them, and later steps run after earlier ones on the device. A block
+whose computation never happens (its sequence is preempted or fails before the step is
+launched) loses its hash when it is freed.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 
 
 def chain_hash(parent: int | None, token_ids: list[int]) -> int:
@@ -44,6 +52,7 @@ class BlockManager:
         # Free blocks in eviction order: the first is recycled first.
         self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
+        self.orphans: set[int] = set()  # see take_orphans
         self.queried_tokens = 0  # prompt tokens looked up in the prefix cache
         self.hit_tokens = 0  # ... of which were found there
 
@@ -108,24 +117,43 @@ class BlockManager:
         seq.num_computed_tokens += len(cached) * self.block_size
         for _ in range(max(fresh, 0)):
             seq.block_table.append(self._take_free_block())
+        self.cache_full_blocks(seq, seq.num_computed_tokens + num_new_tokens)
         return True
 
     def _take_free_block(self) -> int:
         block_id, _ = self.free_ids.popitem(last=False)
         block = self.blocks[block_id]
-        if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
-            del self.hash_to_block[block.hash]  # evict: its contents are about to change
-        block.hash, block.token_ids, block.ref_count = None, (), 1
+        self._forget(block)  # evict: its contents are about to change
+        block.ref_count = 1
         return block_id
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register the blocks that became full since the last call, so later requests
-        (or this one, after a preemption) can reuse them. Generated tokens count too."""
+    def _forget(self, block: Block) -> None:
+        """Make ``block`` unfindable by its hash."""
+        if block.hash is not None and self.hash_to_block.get(block.hash) == block.block_id:
+            del self.hash_to_block[block.hash]
+        block.hash, block.token_ids = None, ()
+
+    def take_orphans(self) -> set[int]:
+        """Blocks forgotten while another sequence still held them, since the last call.
+
+        Such a block was adopted from the prefix cache in this step, but the sequence that
+        was to compute it left the step (preempted, or failed) first: its contents will
+        never be written, so whoever holds it must be recomputed (the scheduler preempts)."""
+        orphans, self.orphans = self.orphans, set()
+        return orphans
+
+    def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Register the full blocks among the first ``num_tokens`` tokens of ``seq`` that
+        are not registered yet, so later requests (or this one, after a preemption) can
+        reuse them. Generated tokens count too; a block holding a token still in flight
+        (async scheduling) waits until that token is known."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
+        for i in range(len(seq.block_hashes), num_tokens // bs):
             tokens = seq.token_ids[i * bs : (i + 1) * bs]
+            if PLACEHOLDER in tokens:
+                return
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             h = chain_hash(parent, tokens)
             seq.block_hashes.append(h)
@@ -139,13 +167,18 @@ class BlockManager:
 
         Blocks with a hash stay findable until recycled; the tail of a sequence is queued
         for recycling before its (more shareable) head."""
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
+        computed = seq.num_computed_tokens // self.block_size  # blocks whose KV was launched
+        for i in reversed(range(len(seq.block_table))):
+            block = self.blocks[seq.block_table[i]]
             block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block_id} freed twice"
+            assert block.ref_count >= 0, f"block {block.block_id} freed twice"
+            if i >= computed and block.hash is not None:
+                self._forget(block)  # registered when scheduled, but never computed
+                if block.ref_count:
+                    self.orphans.add(block.block_id)
             if block.ref_count == 0:
-                self.free_ids[block_id] = None
+                self.free_ids[block.block_id] = None
                 if block.hash is None:  # nothing worth keeping: recycle it first
-                    self.free_ids.move_to_end(block_id, last=False)
+                    self.free_ids.move_to_end(block.block_id, last=False)
         seq.block_table, seq.block_hashes = [], []
         seq.num_computed_tokens = 0

@@ -4,36 +4,43 @@
 raises ``ValueError`` and never disturbs the requests already inside. ``make_sequence``
 (validation) reads only settings fixed at start-up, so other threads may call it; every
 other method changes engine state and belongs to one thread at a time (see
-``async_engine.py``, chapter 10). Each step is measured into ``stats``; set
+``async_engine.py``, chapter 10). ``step()`` returns one ``EngineCoreOutput`` per request
+that progressed (``output_processor.py``). Each step is measured into ``stats``; set
 ``timeline = TimelineRecorder()`` to also record who ran what (``metrics.py``).
+
+Which errors end one request and which end the engine
+-----------------------------------------------------
+An error that belongs to one request ends that request alone, with finish_reason "error"
+and the message in ``EngineCoreOutput.error``; its blocks are freed and every other
+request goes on. Such errors are those raised while the scheduling policy ranks it, while
+its inputs or sampling settings are prepared (both happen before the device runs anything,
+so the step is re-launched without it), and while its new token is applied (stop checks,
+detokenization). Everything else propagates out of ``step()``: the forward pass, the
+sampling kernels, CUDA errors and out-of-memory. Those are not one request's fault and may
+leave the device unusable; ``AsyncEngine`` then ends every stream with ``EngineError``.
 """
 
 from __future__ import annotations
 
-import os
+import logging
 import time
+from collections.abc import Iterable
 
 from nanovllm.config import EngineConfig
+from nanovllm.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.metrics import EngineStats, TimelineRecorder
+from nanovllm.engine.metrics import EngineStats, StepMetrics, TimelineRecorder
 from nanovllm.engine.model_runner import InFlight, ModelRunner
+from nanovllm.engine.output_processor import EngineCoreOutput
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
+from nanovllm.inputs import parse_prompt
 from nanovllm.models import ModelConfig, get_model_class
-from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.tokenizer import load_tokenizer
 
 MAX_DEFAULT_MODEL_LEN = 8192
-
-
-def load_tokenizer(path: str):
-    """The model folder's tokenizer, or None for a config-only folder (dummy weights)."""
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-    if not any(os.path.exists(os.path.join(path, n)) for n in names):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
+logger = logging.getLogger("nanovllm")
 
 
 class LLMEngine:
@@ -65,27 +72,39 @@ class LLMEngine:
         self.timeline: TimelineRecorder | None = None  # off by default: costs nothing
 
     # -- requests ------------------------------------------------------------------------
-    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
+    def tokenize(self, prompt: object) -> tuple[str | None, list[int]]:
+        """A prompt in any of the shapes of ``nanovllm.inputs`` -> (its text, its ids)."""
+        text, token_ids = parse_prompt(prompt)
+        if text is not None:
+            if not text:
                 raise ValueError("prompt is empty")
             if self.tokenizer is None:
                 raise ValueError("this model folder has no tokenizer; pass token ids instead")
-            return prompt, self.tokenizer.encode(prompt)
-        token_ids = list(prompt)
+            token_ids = self.tokenizer.encode(text)
         if not token_ids:
             raise ValueError("prompt is empty")
         vocab = self.model_config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
+        if not all(0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        return None, token_ids
+        return text, token_ids
 
     def make_sequence(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: object,
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
     ) -> Sequence:
         """Validate one request and wrap it in a Sequence (nothing enters the engine yet)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
+        if request_id is not None and not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be below the vocabulary size {vocab}")
         text, token_ids = self.tokenize(prompt)
         limit = self.config.max_model_len
         if len(token_ids) >= limit:
@@ -107,69 +126,88 @@ class LLMEngine:
                 f"a request of up to {longest} tokens exceeds max_num_batched_tokens "
                 f"({budget}) and chunked prefill is off; enable it or raise the budget"
             )
-        return Sequence(token_ids, params, request_id, text)
+        return Sequence(token_ids, params, request_id, text, priority)
 
     def add_sequence(self, seq: Sequence) -> None:
+        """Put a validated sequence into the scheduler's waiting queue. A generated request
+        id never collides: one in use is replaced by a fresh one."""
         if seq.request_id in self.requests:
-            raise ValueError(f"request id {seq.request_id!r} is already in use")
+            if seq.has_user_request_id:
+                raise ValueError(f"request id {seq.request_id!r} is already in use")
+            seq.request_id = seq.fresh_request_id(self.requests)
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
 
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        request_id: str | None,
+        prompt: object,
+        params: SamplingParams,
+        priority: int = 0,
     ) -> str:
-        seq = self.make_sequence(prompt, params, request_id)
+        """Validate and queue one request (vLLM's signature); returns its id, generated
+        when ``request_id`` is None."""
+        seq = self.make_sequence(prompt, params, request_id, priority)
         self.add_sequence(seq)
         return seq.request_id
 
-    def abort(self, request_id: str) -> Sequence | None:
-        """Finish a request with reason "abort", freeing its KV blocks now; returns its
-        sequence, or None if no such request is unfinished."""
-        seq = self.requests.pop(request_id, None)
-        if seq is None or seq.is_finished:
-            return None
-        self.scheduler.finish(seq, "abort")
-        self.runner.release(seq)
-        while seq.token_ids[-1] == PLACEHOLDER:  # its in-flight token is dropped
-            seq.token_ids.pop()
-        return seq
+    def abort_request(self, request_ids: str | Iterable[str]) -> list[EngineCoreOutput]:
+        """Finish requests with reason "abort", freeing their KV blocks now; returns the
+        final report of each one that was still unfinished (unknown ids are ignored)."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        return [self._finish(self.requests[r], "abort") for r in ids if r in self.requests]
 
-    def has_unfinished(self) -> bool:
-        if self.scheduler.has_unfinished():
-            return True
-        # A step in flight matters only if a sequence in it still waits for its token.
-        return self._in_flight is not None and not all(
-            s.is_finished for s in self._in_flight[0].seqs
-        )
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
 
     # -- the loop ------------------------------------------------------------------------
-    def step(self) -> list[Sequence]:
-        """Run one engine step; returns the sequences that received tokens in it.
+    def step(self) -> list[EngineCoreOutput]:
+        """Run one engine step; returns a report for each request that got tokens or ended.
 
         With ``async_scheduling`` a step's tokens arrive one call later: this call queues
         step n on the GPU, then reads step n-1's tokens while the GPU computes, and the
         next call schedules step n+1 meanwhile. Step n's sequences hold a placeholder for
-        their newest token until then; the GPU feeds the real one to step n+1 directly.
+        their newest token until then (never reported); the GPU feeds the real one to step
+        n+1 directly.
         """
         start = time.perf_counter()
         batch = self.scheduler.schedule(start)
+        outputs = [self._finish(seq, "error", error=_describe(err)) for seq, err in batch.failed]
+        launched = self._launch(batch, outputs) if batch.seqs else None
         # A decode is one new token after the whole prompt; anything else is prefill work
-        # (a prompt chunk, or recomputation after a preemption).
+        # (a prompt chunk, or recomputation after a preemption). Read before _apply, which
+        # resets the counts of sequences that finish.
         decodes = [
-            n == 1 and s.num_computed_tokens >= s.num_prompt_tokens
+            n == 1 and s.num_computed_tokens > s.num_prompt_tokens
             for s, n in zip(batch.seqs, batch.num_new_tokens)
         ]
-        launched = self._launch(batch) if batch.seqs else None
         previous, self._in_flight = self._in_flight, launched
-        updated = self._apply(*previous) if previous is not None else []
+        if previous is not None:
+            outputs += self._apply(*previous)
         if launched is not None and not self.config.async_scheduling:
-            updated, self._in_flight = self._apply(*launched), None
-        if batch.seqs:
+            outputs += self._apply(*launched)
+            self._in_flight = None
+        if launched is not None:
             self._record_step(batch, decodes, start)
-        return updated
+        return outputs
 
-    def _launch(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, InFlight]:
-        in_flight = self.runner.launch(batch)
+    def _launch(
+        self, batch: ScheduledBatch, outputs: list[EngineCoreOutput]
+    ) -> tuple[ScheduledBatch, InFlight] | None:
+        while True:
+            try:
+                in_flight = self.runner.launch(batch)
+                break
+            except Exception:
+                failed = self.runner.request_errors(batch)
+                if not failed:
+                    raise  # not one request's fault (see the module docstring)
+            for seq, err in failed:  # nothing ran yet: launch again without them
+                batch.remove(seq)
+                outputs.append(self._finish(seq, "error", error=_describe(err)))
+            self.scheduler.drop_orphans(batch)
+            if not batch.seqs:
+                return None
         limit = self.config.max_model_len
         for seq, n, row in zip(batch.seqs, batch.num_new_tokens, in_flight.logit_rows):
             seq.num_computed_tokens += n
@@ -180,79 +218,92 @@ class LLMEngine:
                 self.scheduler.retire(seq)  # done whatever the token: never reschedule
         return batch, in_flight
 
-    def _apply(self, batch: ScheduledBatch, in_flight: InFlight) -> list[Sequence]:
+    def _apply(self, batch: ScheduledBatch, in_flight: InFlight) -> list[EngineCoreOutput]:
         """Write a step's sampled tokens into their sequences and finish those that stop."""
         tokens = self.runner.collect(in_flight)
         now = time.perf_counter()
-        updated = []
+        outputs = []
         for seq, token in zip(batch.seqs, tokens):
-            if seq.is_finished:
-                continue  # stopped (or aborted) while this step ran: its token is dropped
-            if token is not None:
-                # This step's token follows the ones delivered so far; with async
-                # scheduling the next step's placeholder may already stand after it.
-                length = seq.num_prompt_tokens + seq.metrics.num_output_tokens + 1
-                seq.token_ids[length - 1] = token
-            self.block_manager.cache_full_blocks(seq)
-            if token is None:
-                continue  # mid-prompt
-            metrics = seq.metrics
-            if metrics.first_token_time is None:
-                metrics.first_token_time = now
-            metrics.last_token_time = now
-            metrics.num_output_tokens += 1
-            reason = self._finish_reason(seq, token, length)
-            if reason is not None:
-                del seq.token_ids[length:]
-                self.scheduler.finish(seq, reason)
-                self.runner.release(seq)
-                self.requests.pop(seq.request_id, None)
-            updated.append(seq)
-        return updated
+            if seq.is_finished or token is None:
+                continue  # ended while this step ran (its token is dropped), or mid-prompt
+            try:
+                outputs.append(self._apply_token(seq, token, now))
+            except Exception as err:  # e.g. its stop check: this request's problem alone
+                outputs.append(self._finish(seq, "error", error=_describe(err)))
+        return outputs
 
-    def _record_step(self, batch: ScheduledBatch, decodes: list[bool], start: float) -> None:
-        end = time.perf_counter()
-        num_decodes = sum(decodes)
-        self.stats.record(self, len(batch), batch.num_tokens - num_decodes, num_decodes, start, end)
-        if self.timeline is not None:
-            self.timeline.record(self.stats.num_steps - 1, batch, decodes, start, end)
+    def _apply_token(self, seq: Sequence, token: int, now: float) -> EngineCoreOutput:
+        # This step's token follows the ones delivered so far; with async scheduling the
+        # next step's placeholder may already stand after it.
+        length = seq.num_prompt_tokens + seq.metrics.num_output_tokens + 1
+        seq.token_ids[length - 1] = token
+        # Blocks that waited for this token are registered now (see cache_full_blocks).
+        self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens)
+        metrics = seq.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
+        metrics.num_output_tokens += 1
+        stop = self._check_stop(seq, token, length)
+        if stop is None:
+            return EngineCoreOutput(seq.request_id, [token])
+        del seq.token_ids[length:]
+        return self._finish(seq, *stop, new_token_ids=[token])
 
-    def _finish_reason(self, seq: Sequence, token: int, length: int) -> str | None:
-        """Why ``seq`` stops at ``token``, its ``length``-th token, or None."""
+    def _check_stop(self, seq: Sequence, token: int, length: int) -> tuple | None:
+        """``(finish_reason, stop_reason)`` if ``seq`` ends at ``token``, its ``length``-th
+        token; else None. EOS and stop tokens first, then stop strings, then length."""
         params = seq.params
         if not params.ignore_eos and token in self.eos_token_ids:
-            return "stop"
+            return "stop", None
         if token in params.stop_token_ids:
-            return "stop"
-        if params.stop and self.tokenizer is not None and self._hits_stop_string(seq, length):
-            return "stop"
+            return "stop", token
+        if params.stop and self.tokenizer is not None:
+            if seq.detokenizer is None:  # only requests with stop strings need text here
+                seq.detokenizer = IncrementalDetokenizer(
+                    self.tokenizer, params.stop, params.include_stop_str_in_output,
+                    params.skip_special_tokens,
+                )
+            seq.detokenizer.push([token])
+            if seq.detokenizer.stop_reason is not None:
+                return "stop", seq.detokenizer.stop_reason
         if (
             length - seq.num_prompt_tokens >= params.max_tokens
             or length >= self.config.max_model_len
         ):
-            return "length"
+            return "length", None
         return None
 
-    def _hits_stop_string(self, seq: Sequence, length: int) -> bool:
-        longest = max(len(s) for s in seq.params.stop)
-        # A stop string spans at most `longest` tokens; decode a little more for safety.
-        start = max(seq.num_prompt_tokens, length - longest - 4)
-        tail = self.tokenizer.decode(seq.token_ids[start:length])
-        return any(s in tail for s in seq.params.stop)
+    def _finish(
+        self,
+        seq: Sequence,
+        reason: str,
+        stop_reason: int | str | None = None,
+        error: str | None = None,
+        new_token_ids: list[int] = (),
+    ) -> EngineCoreOutput:
+        """The one way a request ends: blocks freed, engine state dropped, final report."""
+        if error is not None:
+            logger.warning("request %r failed: %s", seq.request_id, error)
+        self.scheduler.finish(seq, reason)
+        self.runner.release(seq)
+        self.requests.pop(seq.request_id, None)
+        while seq.token_ids[-1] == PLACEHOLDER:  # an in-flight token is dropped
+            seq.token_ids.pop()
+        return EngineCoreOutput(seq.request_id, list(new_token_ids), reason, stop_reason, error)
 
-    def output(self, seq: Sequence) -> RequestOutput:
-        token_ids = seq.output_token_ids
-        text = self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
-        if seq.params.stop and seq.finish_reason == "stop":
-            # like vLLM, the text ends before the first stop string (which is not returned)
-            cuts = [text.index(s) for s in seq.params.stop if s in text]
-            text = text[: min(cuts)] if cuts else text
-        completion = CompletionOutput(0, text, token_ids, seq.finish_reason)
-        return RequestOutput(
-            seq.request_id,
-            seq.prompt,
-            seq.token_ids[: seq.num_prompt_tokens],
-            [completion],
-            seq.is_finished,
-            seq.metrics,
+    def _record_step(self, batch: ScheduledBatch, decodes: list[bool], start: float) -> None:
+        num_decodes, end = sum(decodes), time.perf_counter()
+        sched, bm = self.scheduler, self.block_manager
+        step = StepMetrics(
+            self.stats.num_steps, start, end, len(batch), batch.num_tokens - num_decodes,
+            num_decodes, len(sched.running), len(sched.waiting), bm.usage,
+            sched.num_preemptions, bm.prefix_hit_rate,
         )
+        self.stats.record(step)
+        if self.timeline is not None:
+            self.timeline.record(step.step, batch, decodes, start, end)
+
+
+def _describe(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}"

@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING
 from nanovllm.outputs import RequestMetrics
 
 if TYPE_CHECKING:
-    from nanovllm.engine.llm_engine import LLMEngine
     from nanovllm.engine.scheduler import ScheduledBatch
 
 
@@ -58,28 +57,12 @@ class EngineStats:
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
 
-    def record(
-        self, engine: LLMEngine, num_seqs: int, prefill: int, decode: int, start: float, end: float
-    ) -> None:
-        sched, bm = engine.scheduler, engine.block_manager
-        self.steps.append(
-            StepMetrics(
-                self.num_steps,
-                start,
-                end,
-                num_seqs,
-                prefill,
-                decode,
-                len(sched.running),
-                len(sched.waiting),
-                bm.usage,
-                sched.num_preemptions,
-                bm.prefix_hit_rate,
-            )
-        )
+    def record(self, step: StepMetrics) -> None:
+        """Keep one step's numbers (the engine measures them; ``step.step`` is its index)."""
+        self.steps.append(step)
         self.num_steps += 1
-        self.num_prefill_tokens += prefill
-        self.num_decode_tokens += decode
+        self.num_prefill_tokens += step.num_prefill_tokens
+        self.num_decode_tokens += step.num_decode_tokens
 
     def reset(self) -> None:
         """Forget every step so far (e.g. a warm-up before a measurement)."""

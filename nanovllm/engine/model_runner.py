@@ -264,8 +264,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch) -> InFlight:
-        """Queue one step's forward pass and sampling on the device; does not wait for it."""
+        """Queue one step's forward pass and sampling on the device; does not wait for it.
+
+        Everything that depends on a single request (its inputs, its sampling settings) is
+        prepared before anything runs on the device, so an error there changes nothing and
+        ``request_errors`` can tell whose it is."""
         step = self.prepare(batch)
+        sampling = self.sampling_tensors(step.sample_seqs) if step.sample_seqs else None
         if (
             self.graphs is not None
             and step.meta.num_decodes == len(batch)
@@ -278,7 +283,7 @@ class ModelRunner:
         if not step.sample_seqs:
             return InFlight(None, None, step.logit_rows)
         logits = self.model.compute_logits(hidden[step.sample_indices])
-        tokens = self.sampler(logits, self.sampling_tensors(step.sample_seqs))
+        tokens = self.sampler(logits, sampling)
         # Kept on the device: the next step reads its placeholder tokens from here.
         self._in_flight_tokens = tokens
         self._in_flight_rows = {seq.seq_id: row for row, seq in enumerate(step.sample_seqs)}
@@ -289,6 +294,19 @@ class ModelRunner:
         done = torch.cuda.Event()
         done.record()
         return InFlight(host, done, step.logit_rows)
+
+    def request_errors(self, batch: ScheduledBatch) -> list[tuple[Sequence, Exception]]:
+        """After ``launch(batch)`` raised: the sequences whose own preparation fails when
+        tried alone, with their errors (empty: the failure is not one request's)."""
+        failed = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            try:
+                step = self.prepare(ScheduledBatch([seq], [n]))
+                if step.sample_seqs:
+                    self.sampling_tensors(step.sample_seqs)
+            except Exception as err:
+                failed.append((seq, err))
+        return failed
 
     def collect(self, step: InFlight) -> list[int | None]:
         """Wait for a launched step; the sampled token of each sequence, None mid-prompt."""

@@ -64,7 +64,8 @@ class FCFS:
 
 
 class PriorityPolicy:
-    """Lower ``SamplingParams.priority`` first, with aging and deadlines.
+    """Lower request ``priority`` first (``generate(..., priority=)``), with aging and
+    deadlines.
 
     ``effective priority = priority - aging_rate * (now - arrival)
                                      - aging_rate * (default_deadline - deadline)``
@@ -96,14 +97,14 @@ class PriorityPolicy:
     def effective_priority(self, seq: Sequence, now: float) -> float:
         waited = now - seq.metrics.arrival_time
         bonus = self.default_deadline - self._deadline(seq)
-        return seq.params.priority - self.aging_rate * (waited + bonus)
+        return seq.priority - self.aging_rate * (waited + bonus)
 
     def order(self, seqs: list[Sequence], now: float) -> list[Sequence]:
         def key(seq: Sequence) -> tuple:
             due = seq.metrics.arrival_time + self._deadline(seq)
             # effective_priority minus the term all requests share (aging_rate * now): the
             # same order, but computed without `now`, so rounding cannot flip it over time.
-            return (seq.params.priority + self.aging_rate * due, due, *_arrival(seq))
+            return (seq.priority + self.aging_rate * due, due, *_arrival(seq))
 
         return sorted(seqs, key=key)
 
@@ -211,7 +212,14 @@ POLICIES: dict[str, Callable[[], Policy]] = {
 
 
 def get_policy(policy: str | Policy | OrderFn) -> Policy:
-    """A policy from a name in ``POLICIES``, a policy object, or an ``order`` function."""
+    """A policy from a name in ``POLICIES``, a policy object, or an ``order`` function.
+
+    Any other value raises ``ValueError``, so ``EngineConfig`` can call this to validate.
+    """
+    if isinstance(policy, type):
+        # A class has an `order` attribute too, but calling it would fail at the first step.
+        name = policy.__name__
+        raise ValueError(f"scheduler_policy got the class {name}; pass an instance, e.g. {name}()")
     if isinstance(policy, str):
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduler_policy {policy!r}; choose from {sorted(POLICIES)}")

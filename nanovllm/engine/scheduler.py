@@ -11,6 +11,11 @@ blocks are freed and it will be recomputed later (recompute preemption; with pre
 caching its freed blocks often survive and make the recomputation cheap). Policies that
 declare ``preempts_to_admit`` may also evict lower-ranked running sequences to admit a
 higher-ranked waiting one, e.g. a high-priority request arriving at a full engine.
+
+A policy that raises is tried on each sequence alone: the sequences it fails on are handed
+back in ``ScheduledBatch.failed`` (the engine ends them with finish_reason "error") and the
+step goes on without them. A policy that fails on no sequence alone, or on every one of
+several, is broken as a whole, and its error propagates.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     num_tokens: int = field(init=False)  # sum of num_new_tokens, kept up to date
+    # sequences the policy failed on, with the error: the engine ends them
+    failed: list[tuple[Sequence, Exception]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.num_tokens = sum(self.num_new_tokens)
@@ -76,23 +83,44 @@ class Scheduler:
             return remaining
         return budget if self.chunked_prefill else 0
 
-    def _ordered(self, now: float) -> list[Sequence]:
-        """Every unfinished sequence, most important first, as the policy ranks them."""
-        seqs = self.running + self.waiting
+    def _rank(self, seqs: list[Sequence], now: float) -> list[Sequence]:
         ordered = list(self.policy.order(seqs, now))
         if len(ordered) != len(seqs) or {id(s) for s in ordered} != {id(s) for s in seqs}:
             raise RuntimeError(f"{self.policy!r}.order must return a permutation of its input")
         return ordered
 
+    def _ordered(self, now: float, failed: list) -> list[Sequence]:
+        """Every unfinished sequence, most important first, as the policy ranks them;
+        sequences the policy fails on go to ``failed`` instead."""
+        seqs = self.running + self.waiting
+        try:
+            return self._rank(seqs, now)
+        except Exception:
+            culprits = [(s, err) for s in seqs if (err := self._fails_alone(s, now))]
+            if not culprits or len(culprits) == len(seqs) > 1:
+                raise  # not one request's fault: the policy itself is broken
+        failed += culprits
+        bad = {id(s) for s, _ in culprits}
+        self.running = [s for s in self.running if id(s) not in bad]
+        self.waiting = [s for s in self.waiting if id(s) not in bad]
+        return self._ordered(now, failed)
+
+    def _fails_alone(self, seq: Sequence, now: float) -> Exception | None:
+        try:
+            self._rank([seq], now)
+        except Exception as err:
+            return err
+        return None
+
     def schedule(self, now: float | None = None) -> ScheduledBatch:
         """Pick this step's sequences and token counts. ``now`` defaults to the clock;
         tests pass a simulated time."""
         now = time.perf_counter() if now is None else now
-        ordered = self._ordered(now)
+        batch, budget = ScheduledBatch(), self.max_num_batched_tokens
+        ordered = self._ordered(now, batch.failed)
         rank = {s.seq_id: i for i, s in enumerate(ordered)}
         waiting = [s for s in ordered if s.status is SequenceStatus.WAITING]
         queue = deque(s for s in ordered if s.status is SequenceStatus.RUNNING)
-        batch, budget = ScheduledBatch(), self.max_num_batched_tokens
         self.running = []
         preempted = False
         while queue:
@@ -113,7 +141,18 @@ class Scheduler:
                 budget -= n
         if not preempted:  # after a preemption, admitting more would only thrash
             self._admit(waiting, batch, rank, now)
+        self.drop_orphans(batch)
         return batch
+
+    def drop_orphans(self, batch: ScheduledBatch) -> None:
+        """Preempt the sequences of ``batch`` that adopted a cached block whose computation
+        left the step (``BlockManager.take_orphans``); they are recomputed later."""
+        # Preempting one may orphan blocks that another adopted from it: repeat until none.
+        while orphans := self.block_manager.take_orphans():
+            for seq in [s for s in batch.seqs if not orphans.isdisjoint(s.block_table)]:
+                batch.remove(seq)
+                self.running.remove(seq)
+                self._preempt(seq)
 
     def _admit(
         self, ordered: list[Sequence], batch: ScheduledBatch, rank: dict, now: float

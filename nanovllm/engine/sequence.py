@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Container
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
 from nanovllm.outputs import RequestMetrics
 from nanovllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from nanovllm.detokenizer import IncrementalDetokenizer
 
 # Stands for a sampled token that has not reached the host yet (async scheduling, chapter 11).
 PLACEHOLDER = -1
@@ -35,10 +40,13 @@ class Sequence:
         params: SamplingParams,
         request_id: str | None = None,
         prompt: str | None = None,
+        priority: int = 0,
     ) -> None:
         self.seq_id = next(Sequence._ids)
+        self.has_user_request_id = request_id is not None
         self.request_id = request_id if request_id is not None else str(self.seq_id)
         self.prompt = prompt
+        self.priority = priority  # lower = more important, as in vLLM (chapter 06)
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
         self.params = params
@@ -47,9 +55,16 @@ class Sequence:
         self.block_hashes: list[int] = []  # chained hashes of this sequence's full blocks
         self.num_computed_tokens = 0
         self.finish_reason: str | None = None
+        # Text so far, kept only for requests with stop strings (the engine's stop check).
+        self.detokenizer: IncrementalDetokenizer | None = None
         self.user = params.user  # tenant, for fair scheduling
         self.request_class = params.request_class  # for the "mixed" policy
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
+
+    def fresh_request_id(self, taken: Container[str]) -> str:
+        """A generated request id that is not in ``taken`` (a user may have chosen ours)."""
+        candidates = (f"{self.seq_id}-{k}" for k in itertools.count(1))
+        return next(c for c in candidates if c not in taken)
 
     def __len__(self) -> int:
         return len(self.token_ids)

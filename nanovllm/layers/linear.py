@@ -3,6 +3,9 @@
 Chapter 01 introduces the packed projections; chapter 09 the tensor-parallel split.
 Every weight carries a ``weight_loader(param, loaded, shard_id=None)``, so the checkpoint
 loader is one generic loop: it never needs to know how a layer packs or shards weights.
+Each loader first checks that the checkpoint tensor has the full (unsharded) shape it
+expects: ``narrow`` and ``copy_`` would otherwise quietly take a slice of a tensor that is
+too big, or broadcast one that is too small.
 
 - ``ColumnParallelLinear`` splits the output features across ranks;
 - ``MergedColumnParallelLinear`` packs several projections of one input (gate and up);
@@ -19,6 +22,12 @@ from torch import nn
 from nanovllm.distributed import all_reduce, tp_rank, tp_size
 
 
+def check_shape(loaded: torch.Tensor, *expected: int) -> None:
+    """Raise ``ValueError`` unless ``loaded`` has exactly the ``expected`` shape."""
+    if tuple(loaded.shape) != expected:
+        raise ValueError(f"expected shape {expected}, got {tuple(loaded.shape)}")
+
+
 class LinearBase(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
         super().__init__()
@@ -32,6 +41,7 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        check_shape(loaded, *param.shape)
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -45,6 +55,7 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         rows = param.shape[0]
+        check_shape(loaded, rows * tp_size(), *param.shape[1:])
         param.data.copy_(loaded.narrow(0, tp_rank() * rows, rows))
 
 
@@ -56,6 +67,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+        check_shape(loaded, self.output_sizes[shard_id], *param.shape[1:])
         local = [size // tp_size() for size in self.output_sizes]
         offset = sum(local[:shard_id])
         part = loaded.narrow(0, tp_rank() * local[shard_id], local[shard_id])
@@ -81,6 +93,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[
             shard_id
         ]
+        check_shape(loaded, size * tp_size(), *param.shape[1:])
         part = loaded.narrow(0, tp_rank() * size, size)
         param.data.narrow(0, offset, size).copy_(part)
 
@@ -92,9 +105,11 @@ class RowParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if param.dim() == 1:  # the bias is added once, after the reduction
+            check_shape(loaded, *param.shape)
             param.data.copy_(loaded)
             return
         cols = param.shape[1]
+        check_shape(loaded, param.shape[0], cols * tp_size())
         param.data.copy_(loaded.narrow(1, tp_rank() * cols, cols))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -3,14 +3,107 @@
 Reading the JSON ourselves (rather than through ``transformers.AutoConfig``) keeps the
 model code independent of how a given transformers release spells things, e.g. the
 ``rope_theta`` of 4.x versus the ``rope_parameters`` dictionary of 5.x. Chapter 01.
+
+Every field read is checked: a missing file, invalid JSON, a missing required field or a
+value of the wrong type raises ``ValueError`` naming the file and the field, instead of a
+``KeyError`` here or a shape error deep inside the model. ``architectures`` must be a list
+of class names, as Hugging Face writes it; a lone string is rejected, not guessed at.
+End-of-sequence ids come from ``config.json`` and, when present, ``generation_config.json``
+(Qwen models list several there), merged in that order without duplicates.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from nanovllm.sampling_params import Rule, is_bool, is_finite, is_int
+
+REQUIRED = (
+    "architectures",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
+
+
+def _positive_int(x: object) -> bool:
+    return is_int(x) and x >= 1
+
+
+def _positive_number(x: object) -> bool:
+    return is_finite(x) and x > 0
+
+
+def _class_names(x: object) -> bool:
+    return isinstance(x, list) and bool(x) and all(isinstance(n, str) and n for n in x)
+
+
+def _token_ids(x: object) -> bool:
+    ids = x if isinstance(x, list) else [x]
+    return all(is_int(t) and t >= 0 for t in ids)
+
+
+# Optional fields may also be absent or null; the model's defaults apply then.
+_RULES: tuple[Rule, ...] = (
+    ("architectures", _class_names, 'a list of class names, e.g. ["LlamaForCausalLM"]'),
+    *((name, _positive_int, "an int >= 1") for name in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings")),
+    ("rms_norm_eps", _positive_number, "a number > 0"),
+    ("rope_theta", _positive_number, "a number > 0"),
+    ("rope_parameters", lambda x: isinstance(x, dict), "an object"),
+    ("rope_scaling", lambda x: isinstance(x, dict), "an object"),
+    ("tie_word_embeddings", is_bool, "true or false"),
+    ("attention_bias", is_bool, "true or false"),
+    ("eos_token_id", _token_ids, "a token id (int >= 0) or a list of them"),
+)
+
+
+def _check(cfg: dict[str, Any], source: str) -> None:
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{source} must hold a JSON object, got {type(cfg).__name__}")
+    for name in REQUIRED:
+        if cfg.get(name) is None:
+            raise ValueError(f"{source} lacks the required field {name!r}")
+    for name, test, allowed in _RULES:
+        value = cfg.get(name)
+        if value is not None and not test(value):
+            raise ValueError(f"{source}: field {name!r} must be {allowed}, got {value!r}")
+    theta = (cfg.get("rope_parameters") or {}).get("rope_theta")  # where transformers 5 puts it
+    if theta is not None and not _positive_number(theta):
+        raise ValueError(f"{source}: field 'rope_parameters.rope_theta' must be a number > 0, "
+                         f"got {theta!r}")
+    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or 1
+    if heads % kv_heads:  # grouped-query attention shares each K/V head among a group
+        raise ValueError(
+            f"{source}: field 'num_key_value_heads' ({kv_heads}) must divide "
+            f"num_attention_heads ({heads})"
+        )
+    if cfg.get("head_dim") is None and cfg["hidden_size"] % heads:
+        raise ValueError(
+            f"{source}: field 'hidden_size' ({cfg['hidden_size']}) must be a multiple of "
+            f"num_attention_heads ({heads}) when head_dim is not given"
+        )
+
+
+def _eos_ids(value: int | list[int] | None) -> tuple[int, ...]:
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    return tuple(dict.fromkeys(int(t) for t in ids))  # keeps order, drops repeats
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    try:
+        return json.loads(file.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{file} does not exist") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{file} is not a readable JSON file: {err}") from None
 
 
 @dataclass(frozen=True)
@@ -32,17 +125,16 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
-        archs = cfg.get("architectures") or ["<missing>"]
+    def from_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        """Build from a parsed ``config.json``; ``source`` names it in error messages."""
+        _check(cfg, source)
         rope = dict(cfg.get("rope_parameters") or {})
         scaling = cfg.get("rope_scaling") or (
             rope if rope.get("rope_type", "default") != "default" else None
         )
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         heads = cfg["num_attention_heads"]
         return cls(
-            architecture=archs[0],
+            architecture=cfg["architectures"][0],
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
@@ -50,18 +142,34 @@ class ModelConfig:
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta") or rope.get("rope_theta", 10000.0),
+            rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),
+            rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
             rope_scaling=scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", False),
-            eos_token_ids=eos_ids,
+            max_position_embeddings=cfg.get("max_position_embeddings") or 2048,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
         )
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
-        return cls.from_dict(json.loads((Path(path) / "config.json").read_text()))
+        """Read ``config.json`` and, if present, the EOS ids of ``generation_config.json``."""
+        file = Path(path) / "config.json"
+        config = cls.from_dict(_read_json(file), source=str(file))
+        gen_file = Path(path) / "generation_config.json"
+        if not gen_file.is_file():
+            return config
+        gen = _read_json(gen_file)
+        if not isinstance(gen, dict):
+            raise ValueError(f"{gen_file} must hold a JSON object, got {type(gen).__name__}")
+        eos = gen.get("eos_token_id")
+        if eos is not None and not _token_ids(eos):
+            raise ValueError(
+                f"{gen_file}: field 'eos_token_id' must be a token id (int >= 0) or a list "
+                f"of them, got {eos!r}"
+            )
+        merged = _eos_ids([*config.eos_token_ids, *_eos_ids(eos)])
+        return dataclasses.replace(config, eos_token_ids=merged)
 
     def kv_bytes_per_token(self, element_size: int) -> int:
         """Bytes of K and V that one token occupies across all layers (chapter 03)."""

@@ -1,0 +1,616 @@
+"""Validation at construction (issue 9: one bad request never hurts another).
+
+A bad ``SamplingParams``, ``EngineConfig``, model folder or checkpoint raises ``ValueError``
+naming the field (or file), the value and what is allowed; never a ``TypeError``, never
+accepted silently. The hypothesis fuzz at the end checks the promise behind the rules:
+whatever values are passed, construction either raises ``ValueError`` or the engine
+generates well-formed output.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from nanovllm import LLM, EngineConfig, SamplingParams
+from nanovllm.engine.policies import FairPolicy, PriorityPolicy, get_policy
+from nanovllm.models import ModelConfig, get_model_class
+from nanovllm.sampling_params import SEED_RANGE
+from nanovllm.weights.loader import load_safetensors
+
+VOCAB, HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, MAX_POS = 64, 32, 64, 2, 1, 16, 64
+TINY = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": VOCAB,
+    "hidden_size": HIDDEN,
+    "intermediate_size": INTER,
+    "num_hidden_layers": 1,
+    "num_attention_heads": HEADS,
+    "num_key_value_heads": KV_HEADS,
+    "head_dim": HEAD_DIM,
+    "max_position_embeddings": MAX_POS,
+    "tie_word_embeddings": False,
+    "eos_token_id": 2,
+}
+
+
+def write_config(folder: Path, config: dict | None = None, **changes) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = {k: v for k, v in {**(config or TINY), **changes}.items() if v is not ...}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    return write_config(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny matmuls run much faster without threads fighting over 2 shared cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# -- SamplingParams ----------------------------------------------------------------------
+
+BAD_SAMPLING = [
+    ("temperature", [-0.5, float("nan"), float("inf"), 10**400, "1", True, None]),
+    ("top_k", [0, -2, 2.5, True, "5", 2**31, None]),
+    ("top_p", [0, 0.0, 1.5, float("nan"), "0.9", True, None]),
+    ("min_p", [-0.1, 1.01, float("nan"), "0", True, None]),
+    ("seed", [1.5, "x", 2**70, SEED_RANGE[1] + 1, SEED_RANGE[0] - 1, True, [1]]),
+    ("max_tokens", [0, -3, 2.5, True, "8", None, float("inf")]),
+    ("ignore_eos", [1, "no", None]),
+    ("stop_token_ids", [[-1], [True], [1.0], ["3"], True, "3", {1, 2}, None]),
+    ("stop", ["", [""], [1], 5, None, [None]]),
+    ("include_stop_str_in_output", [1, "yes", None]),
+    ("skip_special_tokens", [0, "no", None]),
+    ("priority", [1.5, True, "1", None, 2**63, 10**400]),
+    ("deadline", [0, -1.0, float("nan"), "1", True, 10**400]),
+    ("user", [5, ["a"]]),
+    ("request_class", [["batch"], 1]),
+]
+
+GOOD_SAMPLING = [
+    ("temperature", [0, 0.0, 1e-5, 0.7, 2, 1e308]),
+    ("top_k", [-1, 1, 50, MAX_POS, 2**31 - 1, np.int64(7)]),
+    ("top_p", [1e-300, 0.5, 1, 1.0]),
+    ("min_p", [0, 0.0, 0.1, 1]),
+    ("seed", [None, 0, -1, *SEED_RANGE, np.int64(3)]),
+    ("max_tokens", [1, 10**9, np.int32(4)]),
+    ("ignore_eos", [True, False]),
+    ("stop_token_ids", [[], [0, 5], (1, 2), 7, [np.int64(3)]]),
+    ("stop", [[], "x", ["a", "bc"], ("a",)]),
+    ("include_stop_str_in_output", [True, False]),
+    ("skip_special_tokens", [True, False]),
+    ("priority", [0, -5, 2**63 - 1, -(2**63)]),
+    ("deadline", [None, 0.5, 3, float("inf")]),
+    ("user", [None, "alice", ""]),
+    ("request_class", [None, "batch"]),
+]
+
+
+def _cases(table):
+    return [pytest.param(name, v, id=f"{name}={v!r}"[:40]) for name, vs in table for v in vs]
+
+
+@pytest.mark.parametrize("name, value", _cases(BAD_SAMPLING))
+def test_bad_sampling_value_names_field_and_value(name, value):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{name} must be .*, got "):
+        SamplingParams(**{name: value})
+
+
+@pytest.mark.parametrize("name, value", _cases(GOOD_SAMPLING))
+def test_good_sampling_value_is_accepted_as_a_plain_python_value(name, value):
+    params = SamplingParams(**{name: value})
+    stored = getattr(params, name)
+    if isinstance(value, np.integer):  # numpy scalars become plain ints
+        assert type(stored) is int and stored == value
+    if name in ("stop", "stop_token_ids"):
+        assert isinstance(stored, list)
+
+
+def test_named_cases():
+    for kwargs in ({"seed": 1.5}, {"seed": "x"}, {"seed": 2**70}, {"max_tokens": 2.5},
+                   {"top_k": 2.5}):
+        with pytest.raises(ValueError, match=next(iter(kwargs))):
+            SamplingParams(**kwargs)
+
+
+def test_tiny_temperature_is_greedy_not_nan():
+    # 1e-38 used to divide the logits into inf, then NaN, then token 0 forever.
+    params = SamplingParams(temperature=1e-38)
+    assert params.temperature == 0 and params.greedy
+    assert SamplingParams(temperature=1e-5).temperature == 1e-5
+    assert not SamplingParams(temperature=1e-5).greedy
+
+
+def test_tiny_top_p_survives_float32():
+    params = SamplingParams(top_p=1e-300)
+    assert 0 < params.top_p < 1e-30
+    assert torch.tensor([params.top_p], dtype=torch.float32).item() > 0
+
+
+def test_lone_stop_values_become_lists_and_are_copied():
+    assert SamplingParams(stop="###", stop_token_ids=5).stop == ["###"]
+    assert SamplingParams(stop_token_ids=5).stop_token_ids == [5]
+    ids = [1, 2]
+    params = SamplingParams(stop_token_ids=ids)
+    ids.append(3)
+    assert params.stop_token_ids == [1, 2]
+
+
+def test_new_vllm_fields_default_like_vllm():
+    params = SamplingParams()
+    assert params.include_stop_str_in_output is False
+    assert params.skip_special_tokens is True
+
+
+@pytest.mark.parametrize("seed", [SEED_RANGE[0], SEED_RANGE[1], SEED_RANGE[0] - 1,
+                                  SEED_RANGE[1] + 1])
+def test_seed_range_is_exactly_what_torch_accepts(seed):
+    try:
+        torch.Generator().manual_seed(seed)
+        torch_ok = True
+    except (RuntimeError, ValueError, OverflowError):
+        torch_ok = False
+    try:
+        SamplingParams(seed=seed)
+        ours_ok = True
+    except ValueError:
+        ours_ok = False
+    assert ours_ok == torch_ok
+
+
+# -- EngineConfig ------------------------------------------------------------------------
+
+BAD_ENGINE = [
+    ("model", [5, None]),
+    ("device", ["gpu", "cuda:x", "CPU", 0, None]),
+    ("dtype", ["fp32", torch.float32, [], None]),
+    ("load_format", ["pt", None]),
+    ("max_model_len", ["4096", 0, -1, True, 16.0]),
+    ("max_num_seqs", [0, True, 2.0, None]),
+    ("max_num_batched_tokens", [0, "4096", 1e3]),
+    ("block_size", [16.0, 12, 0, -16, True, "16", None]),
+    ("enable_prefix_caching", ["no", 1, None]),
+    ("enable_chunked_prefill", ["yes", 0]),
+    ("enforce_eager", ["no", 1]),
+    ("async_scheduling", ["auto", 0]),
+    ("attention_backend", ["flash", None]),
+    ("gpu_memory_utilization", [0, 1.5, float("nan"), "0.9", True, None]),
+    ("num_kv_blocks", [0, 2.0, True, "8"]),
+    ("kv_cache_memory", [0, 1e9, True]),
+    ("tensor_parallel_size", ["1", True, 1.0]),
+    ("seed", [2**64, -(2**63) - 1, 1.5, True, None]),
+]
+
+GOOD_ENGINE = [
+    ("device", ["auto", "cpu"]),
+    ("dtype", ["auto", "float32", "bfloat16", "float16"]),
+    ("load_format", ["auto", "safetensors", "dummy"]),
+    ("max_model_len", [None, 1, 64, np.int64(32)]),
+    ("block_size", [1, 8, 16, 256]),
+    ("async_scheduling", [None, True, False]),
+    ("attention_backend", ["auto", "torch"]),
+    ("gpu_memory_utilization", [1, 0.5, 1e-9]),
+    ("num_kv_blocks", [None, 1, 10**6]),
+    ("kv_cache_memory", [None, 1, 2**30]),
+    ("scheduler_policy", ["fcfs", "priority", "fair", "mixed", PriorityPolicy(),
+                          lambda seqs, now: seqs]),
+    ("seed", [0, -1, *SEED_RANGE]),
+]
+
+
+@pytest.mark.parametrize("name, value", _cases(BAD_ENGINE))
+def test_bad_engine_value_names_field_and_value(tiny_dir, name, value):
+    kwargs = {"model": str(tiny_dir), name: value}
+    with pytest.raises(ValueError, match=rf"EngineConfig\.{name} must be .*, got "):
+        EngineConfig(**kwargs)
+
+
+@pytest.mark.parametrize("name, value", _cases(GOOD_ENGINE))
+def test_good_engine_value_is_accepted(tiny_dir, name, value):
+    kwargs = {"device": "cpu", name: value}  # on a GPU "auto" would need blocks of 16
+    config = EngineConfig(model=str(tiny_dir), **kwargs)
+    assert config.device in ("cpu", "cuda") or config.device.startswith("cuda:")
+    assert config.dtype in ("float32", "bfloat16", "float16")
+    assert isinstance(config.async_scheduling, bool)
+
+
+def test_model_may_be_a_path(tiny_dir):
+    assert EngineConfig(model=tiny_dir).model == tiny_dir
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"tensor_parallel_size": 2}, "not supported yet"),
+        ({"tensor_parallel_size": 0}, "not supported yet"),
+        ({"attention_backend": "flash_attn"}, "flash-attn"),
+        ({"scheduler_policy": "lottery"}, "unknown scheduler_policy"),
+        ({"scheduler_policy": 3}, "scheduler_policy must be"),
+        ({"scheduler_policy": PriorityPolicy}, r"pass an instance, e\.g\. PriorityPolicy\(\)"),
+        ({"scheduler_policy": FairPolicy}, r"FairPolicy\(\)"),
+    ],
+)
+def test_engine_combinations(tiny_dir, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model=str(tiny_dir), **kwargs)
+
+
+def test_model_folder_without_config_json(tmp_path):
+    with pytest.raises(ValueError, match="config.json"):
+        EngineConfig(model=str(tmp_path))
+
+
+def test_cuda_without_cuda(tiny_dir, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for device in ("cuda", "cuda:0"):
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            EngineConfig(model=str(tiny_dir), device=device)
+    assert EngineConfig(model=str(tiny_dir)).device == "cpu"
+
+
+def test_cuda_index_beyond_the_gpus(tiny_dir, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="there are 1 GPUs"):
+        EngineConfig(model=str(tiny_dir), device="cuda:1")
+
+
+triton_installed = pytest.mark.skipif(
+    not __import__("importlib").util.find_spec("triton"), reason="needs triton"
+)
+
+
+@triton_installed
+def test_triton_needs_blocks_of_16(tiny_dir, monkeypatch):
+    with pytest.raises(ValueError, match="block_size 8 is too small"):
+        EngineConfig(model=str(tiny_dir), attention_backend="triton", block_size=8)
+    EngineConfig(model=str(tiny_dir), attention_backend="triton", block_size=16)
+    # "auto" is the torch backend on a CPU (any block size), Triton on a GPU
+    EngineConfig(model=str(tiny_dir), device="cpu", block_size=8)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="attention_backend='torch'"):
+        EngineConfig(model=str(tiny_dir), device="cuda", block_size=8)
+    EngineConfig(model=str(tiny_dir), device="cuda", block_size=8, attention_backend="torch")
+
+
+def test_unknown_option_is_still_named(tiny_dir):
+    with pytest.raises(ValueError, match="unknown engine option"):
+        EngineConfig.from_kwargs(str(tiny_dir), max_num_seq=4)
+
+
+def test_get_policy_takes_instances_not_classes():
+    policy = FairPolicy()
+    assert get_policy(policy) is policy
+    with pytest.raises(ValueError, match=r"PriorityPolicy\(\)"):
+        get_policy(PriorityPolicy)
+
+
+# -- model folders -----------------------------------------------------------------------
+
+
+def test_corrupt_config_json(tmp_path):
+    (tmp_path / "config.json").write_text('{"vocab_size": 64,')
+    with pytest.raises(ValueError, match=r"config\.json is not a readable JSON file"):
+        ModelConfig.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"config\.json"):
+        LLM(tmp_path, load_format="dummy")
+
+
+def test_config_json_that_is_not_an_object(tmp_path):
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="must hold a JSON object"):
+        ModelConfig.from_pretrained(tmp_path)
+
+
+def test_missing_config_json(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        ModelConfig.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("field", ["architectures", "vocab_size", "hidden_size",
+                                   "intermediate_size", "num_hidden_layers",
+                                   "num_attention_heads"])
+def test_missing_required_field(tmp_path, field):
+    write_config(tmp_path, **{field: ...})
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path}") + rf".*lacks .*'{field}'"):
+        ModelConfig.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("architectures", "LlamaForCausalLM"),  # a string is not a list of names
+        ("architectures", []),
+        ("architectures", [""]),
+        ("vocab_size", "64"),
+        ("hidden_size", 32.0),
+        ("num_hidden_layers", 0),
+        ("num_attention_heads", True),
+        ("num_key_value_heads", -1),
+        ("head_dim", "16"),
+        ("max_position_embeddings", 1.5),
+        ("rms_norm_eps", "1e-6"),
+        ("rms_norm_eps", 0),
+        ("rope_theta", -1),
+        ("rope_parameters", "default"),
+        ("rope_scaling", 2.0),
+        ("tie_word_embeddings", "false"),
+        ("attention_bias", 0),
+        ("eos_token_id", "2"),
+        ("eos_token_id", [2, -1]),
+        ("eos_token_id", [True]),
+    ],
+)
+def test_wrongly_typed_field(tmp_path, field, value):
+    write_config(tmp_path, **{field: value})
+    with pytest.raises(ValueError, match=rf"config\.json: field '{field}' must be"):
+        ModelConfig.from_pretrained(tmp_path)
+
+
+def test_shape_fields_must_agree(tmp_path):
+    write_config(tmp_path, num_attention_heads=3, num_key_value_heads=2)
+    with pytest.raises(ValueError, match="'num_key_value_heads' .* must divide"):
+        ModelConfig.from_pretrained(tmp_path)
+    write_config(tmp_path, hidden_size=30, num_attention_heads=4, num_key_value_heads=4,
+                 head_dim=None)
+    with pytest.raises(ValueError, match="'hidden_size' .* multiple"):
+        ModelConfig.from_pretrained(tmp_path)
+    write_config(tmp_path, rope_parameters={"rope_theta": "big"})
+    with pytest.raises(ValueError, match="rope_parameters.rope_theta"):
+        ModelConfig.from_pretrained(tmp_path)
+
+
+def test_optional_fields_may_be_null(tmp_path):
+    write_config(tmp_path, head_dim=None, rope_scaling=None, eos_token_id=None, rope_theta=1000)
+    cfg = ModelConfig.from_pretrained(tmp_path)
+    assert cfg.head_dim == HIDDEN // HEADS and cfg.eos_token_ids == ()
+    assert cfg.rope_theta == 1000.0 and isinstance(cfg.rope_theta, float)
+
+
+def test_from_dict_names_its_source():
+    with pytest.raises(ValueError, match="my-dict: field 'vocab_size'"):
+        ModelConfig.from_dict({**TINY, "vocab_size": "x"}, source="my-dict")
+
+
+@pytest.mark.parametrize(
+    "config_eos, generation_eos, expected",
+    [
+        (2, [3, 2, 4], (2, 3, 4)),  # Qwen-style list, merged in order without repeats
+        ([2, 5], 5, (2, 5)),
+        (None, [7, 7], (7,)),
+        (2, None, (2,)),
+    ],
+)
+def test_generation_config_eos_ids_are_merged(tmp_path, config_eos, generation_eos, expected):
+    write_config(tmp_path, eos_token_id=config_eos)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": generation_eos}))
+    assert ModelConfig.from_pretrained(tmp_path).eos_token_ids == expected
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("{not json", r"generation_config\.json is not a readable JSON file"),
+        ('"text"', r"generation_config\.json must hold a JSON object"),
+        ('{"eos_token_id": "2"}', r"generation_config\.json: field 'eos_token_id'"),
+        ('{"eos_token_id": [1.5]}', r"generation_config\.json: field 'eos_token_id'"),
+    ],
+)
+def test_bad_generation_config(tmp_path, text, message):
+    write_config(tmp_path)
+    (tmp_path / "generation_config.json").write_text(text)
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_pretrained(tmp_path)
+
+
+# -- checkpoints -------------------------------------------------------------------------
+
+
+def checkpoint_tensors() -> dict[str, torch.Tensor]:
+    """The tiny model's tensors under Hugging Face's names (q/k/v, gate/up unpacked)."""
+    p = "model.layers.0."
+    shapes = {
+        "model.embed_tokens.weight": (VOCAB, HIDDEN),
+        "model.norm.weight": (HIDDEN,),
+        "lm_head.weight": (VOCAB, HIDDEN),
+        p + "self_attn.q_proj.weight": (HEADS * HEAD_DIM, HIDDEN),
+        p + "self_attn.k_proj.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
+        p + "self_attn.v_proj.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
+        p + "self_attn.o_proj.weight": (HIDDEN, HEADS * HEAD_DIM),
+        p + "mlp.gate_proj.weight": (INTER, HIDDEN),
+        p + "mlp.up_proj.weight": (INTER, HIDDEN),
+        p + "mlp.down_proj.weight": (HIDDEN, INTER),
+        p + "input_layernorm.weight": (HIDDEN,),
+        p + "post_attention_layernorm.weight": (HIDDEN,),
+    }
+    gen = torch.Generator().manual_seed(0)
+    return {name: torch.randn(shape, generator=gen) * 0.1 for name, shape in shapes.items()}
+
+
+def save_checkpoint(folder: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    from safetensors.torch import save_file
+
+    write_config(folder)
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder
+
+
+def tiny_model() -> torch.nn.Module:
+    cfg = ModelConfig.from_dict(TINY)
+    return get_model_class(cfg.architecture)(cfg)
+
+
+def test_complete_checkpoint_loads(tmp_path):
+    tensors = checkpoint_tensors()
+    model = tiny_model()
+    load_safetensors(model, save_checkpoint(tmp_path, tensors))
+    qkv = model.model.layers[0].self_attn.qkv_proj.weight
+    v_proj = tensors["model.layers.0.self_attn.v_proj.weight"]
+    assert torch.equal(qkv[-KV_HEADS * HEAD_DIM :], v_proj)
+
+
+@pytest.mark.parametrize("dropped", [
+    "model.norm.weight",
+    "model.layers.0.mlp.up_proj.weight",  # half of a packed parameter is still missing
+    "model.layers.0.self_attn.v_proj.weight",
+])
+def test_missing_tensor_is_named_and_counted(tmp_path, dropped):
+    tensors = checkpoint_tensors()
+    del tensors[dropped]
+    folder = save_checkpoint(tmp_path, tensors)
+    message = re.escape(f"{folder} lacks 1 of the ") + r"\d+ tensors .*: " + re.escape(dropped)
+    with pytest.raises(ValueError, match=message + "$"):
+        load_safetensors(tiny_model(), folder)
+
+
+@pytest.mark.parametrize("name, shape", [
+    ("model.layers.0.self_attn.k_proj.weight", (2 * KV_HEADS * HEAD_DIM, HIDDEN)),  # too big
+    ("model.layers.0.self_attn.q_proj.weight", (HEADS * HEAD_DIM, 1)),  # would broadcast
+    ("model.layers.0.mlp.gate_proj.weight", (INTER // 2, HIDDEN)),
+    ("model.layers.0.self_attn.o_proj.weight", (HIDDEN, HIDDEN + 1)),
+    ("model.embed_tokens.weight", (VOCAB - 1, HIDDEN)),
+    ("lm_head.weight", (VOCAB + 1, HIDDEN)),
+    ("model.norm.weight", (1,)),
+])
+def test_wrong_shape_names_file_tensor_and_both_shapes(tmp_path, name, shape):
+    tensors = checkpoint_tensors()
+    expected = tuple(tensors[name].shape)
+    tensors[name] = torch.zeros(shape)
+    folder = save_checkpoint(tmp_path, tensors)
+    message = re.escape(f"model.safetensors: tensor '{name}'") + ".*" + re.escape(
+        f"expected shape {expected}, got {shape}"
+    )
+    with pytest.raises(ValueError, match=message):
+        load_safetensors(tiny_model(), folder)
+
+
+def test_extra_or_unreadable_checkpoint(tmp_path):
+    tensors = checkpoint_tensors()
+    tensors["model.layers.0.mlp.extra.weight"] = torch.zeros(2)
+    with pytest.raises(ValueError, match="'model.layers.0.mlp.extra.weight' has no place"):
+        load_safetensors(tiny_model(), save_checkpoint(tmp_path / "extra", tensors))
+    (tmp_path / "extra" / "model.safetensors").write_bytes(b"not a checkpoint" * 4)
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        load_safetensors(tiny_model(), tmp_path / "extra")
+
+
+# -- fuzz: ValueError at construction, or a well-formed generation ------------------------
+
+MAX_MODEL_LEN = 24
+PROMPT = [5, 6, 7]
+anything = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-3, max_value=70),
+    st.integers(),
+    st.floats(min_value=0, max_value=2),
+    st.floats(),  # nan, inf, huge and tiny included
+    st.text(max_size=3),
+    st.lists(st.integers(min_value=-2, max_value=VOCAB + 2), max_size=3),
+    st.lists(st.text(max_size=2), max_size=2),
+)
+SAMPLING_FIELDS = [
+    "temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "ignore_eos",
+    "stop_token_ids", "stop", "include_stop_str_in_output", "skip_special_tokens",
+    "priority", "deadline", "user", "request_class",
+]
+
+
+def assert_well_formed(outputs, max_tokens: int) -> None:
+    assert len(outputs) == 1 and len(outputs[0].outputs) == 1
+    completion = outputs[0].outputs[0]
+    assert completion.finish_reason in ("stop", "length")
+    assert len(completion.token_ids) <= max_tokens
+    assert all(type(t) is int and 0 <= t < VOCAB for t in completion.token_ids)
+
+
+@pytest.fixture(scope="module")
+def fuzz_llm(tiny_dir):
+    return LLM(tiny_dir, load_format="dummy", device="cpu", dtype="float32",
+               max_model_len=MAX_MODEL_LEN, num_kv_blocks=4, block_size=8,
+               scheduler_policy="priority")  # so priority and deadline reach its arithmetic
+
+
+@settings(max_examples=50, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(kwargs=st.dictionaries(st.sampled_from(SAMPLING_FIELDS), anything, max_size=4))
+def test_fuzz_sampling_params(fuzz_llm, kwargs):
+    try:
+        params = SamplingParams(**kwargs)
+    except ValueError:
+        return
+    assert_well_formed(fuzz_llm.generate([PROMPT], params, use_tqdm=False), params.max_tokens)
+
+
+ENGINE_FIELDS = [
+    "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+    "enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "async_scheduling",
+    "gpu_memory_utilization", "num_kv_blocks", "kv_cache_memory", "seed", "device", "dtype",
+    "attention_backend", "scheduler_policy", "tensor_parallel_size", "load_format",
+]
+INT_FIELDS = ["max_num_seqs", "max_num_batched_tokens", "block_size", "seed",
+              "tensor_parallel_size"]
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(kwargs=st.dictionaries(st.sampled_from(ENGINE_FIELDS), anything, max_size=4))
+def test_fuzz_engine_config(tiny_dir, kwargs):
+    try:
+        config = EngineConfig(model=str(tiny_dir), **kwargs)
+    except ValueError:
+        return
+    # what was accepted is what the rules promise, in plain Python types
+    for name in INT_FIELDS:
+        assert type(getattr(config, name)) is int
+    for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory"):
+        assert getattr(config, name) is None or type(getattr(config, name)) is int
+    for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager",
+                 "async_scheduling"):
+        assert type(getattr(config, name)) is bool
+    assert math.isfinite(config.gpu_memory_utilization)
+    assert 0 < config.gpu_memory_utilization <= 1
+
+
+small = st.one_of(
+    st.integers(min_value=-1, max_value=MAX_POS + 1),
+    st.sampled_from([16.0, True, False, None, "8", float("nan")]),
+)
+
+
+@settings(max_examples=10, deadline=None, database=None)
+@given(
+    kwargs=st.fixed_dictionaries(
+        {"num_kv_blocks": st.one_of(st.integers(min_value=-1, max_value=12), st.just(4.0))},
+        optional={name: small for name in ["max_model_len", "max_num_seqs",
+                                            "max_num_batched_tokens", "block_size",
+                                            "enable_prefix_caching", "enable_chunked_prefill"]},
+    ),
+    max_tokens=st.integers(min_value=1, max_value=8),
+)
+def test_fuzz_engine_config_then_generate(tiny_dir, kwargs, max_tokens):
+    # a ValueError may come from the config, the engine (e.g. max_model_len above the
+    # model's limit) or the request (it cannot fit the KV cache): all before any work
+    try:
+        llm = LLM(tiny_dir, load_format="dummy", device="cpu", dtype="float32", **kwargs)
+        params = SamplingParams(temperature=0, max_tokens=max_tokens)
+        outputs = llm.generate([PROMPT], params, use_tqdm=False)
+    except ValueError:
+        return
+    assert_well_formed(outputs, max_tokens)
