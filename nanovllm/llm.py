@@ -7,8 +7,11 @@ print(outputs[0].text)
 
 from __future__ import annotations
 
+import signal
 import threading
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
+from contextlib import contextmanager
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -68,25 +71,29 @@ class LLM:
     def _run(self, seqs: list[Sequence], use_tqdm: bool) -> list[RequestState]:
         states: dict[str, RequestState] = {}
         try:
-            for seq in seqs:
-                self.engine.add_sequence(seq)
-                states[seq.request_id] = RequestState(seq, self.tokenizer)
-            unfinished = len(states)
-            bar = tqdm(total=unfinished, desc="Generating", disable=not use_tqdm, unit="req")
-            with bar:
-                while unfinished:
-                    for out in self.engine.step():
-                        state = states.get(out.request_id)
-                        if state is None:
-                            continue  # another caller's request: not ours to report
-                        state.update(out)
-                        if out.finished:
-                            unfinished -= 1
-                            bar.update(1)
+            with _ctrl_c_between_steps() as check_interrupt:
+                for seq in seqs:
+                    self.engine.add_sequence(seq)
+                    states[seq.request_id] = RequestState(seq, self.tokenizer)
+                unfinished = len(states)
+                bar = tqdm(total=unfinished, desc="Generating", disable=not use_tqdm, unit="req")
+                with bar:
+                    while unfinished:
+                        outputs = self.engine.step()
+                        for out in outputs:
+                            state = states.get(out.request_id)
+                            if state is None:
+                                continue  # another caller's request: not ours to report
+                            state.update(out)
+                            if out.finished:
+                                unfinished -= 1
+                                bar.update(1)
+                        check_interrupt()
         except BaseException:  # Ctrl-C included: leave nothing of this call in the engine
             self.engine.abort_request(rid for rid, st in states.items() if not st.finished)
             raise
         return list(states.values())
+
     def chat(
         self,
         messages: list[Message] | list[list[Message]],
@@ -111,6 +118,34 @@ class LLM:
         for out, text in zip(outputs, texts):
             out.prompt = text
         return outputs
+
+
+@contextmanager
+def _ctrl_c_between_steps() -> Iterator[Callable[[], None]]:
+    """Let Ctrl-C (SIGINT) interrupt between engine steps, not inside one, where it could
+    leave a block half allocated: the first press is held until the running step ends
+    (the yielded check then raises ``KeyboardInterrupt``); a second press interrupts at
+    once. Signal handlers belong to the main thread, so other threads change nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: None
+        return
+    pressed = []
+
+    def on_sigint(signum, frame) -> None:
+        if pressed:
+            raise KeyboardInterrupt
+        pressed.append(signum)
+
+    def check() -> None:
+        if pressed:
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield check
+    finally:
+        # (None: a handler installed outside Python; the default is the closest we have)
+        signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
 
 
 def _as_params_list(

@@ -5,7 +5,7 @@ Every field is validated on construction: a bad value raises ``ValueError`` nami
 field, the value and what is allowed, before the request ever reaches the engine, where
 it could only fail (or, worse, quietly produce garbage) in the middle of a batch that
 other requests share. The checks are a table of rules, ``(field, test, what is allowed)``;
-``EngineConfig`` (chapter 00) reuses the same helpers.
+``EngineConfig`` (chapter 00) and ``ModelConfig`` reuse the same helpers.
 """
 
 from __future__ import annotations
@@ -24,9 +24,6 @@ SAMPLING_EPS = 1e-5
 _FP32_TINY = 2.0**-126
 # What torch.Generator.manual_seed accepts: any signed or unsigned 64-bit integer.
 SEED_RANGE = (-(2**63), 2**64 - 1)
-# Priorities, like seeds, are 64-bit; far beyond that they would overflow the float math of
-# PriorityPolicy (chapter 06) and fail a whole engine step.
-PRIORITY_RANGE = (-(2**63), 2**63 - 1)
 # top_k travels to the device as a float32 and then an int64; beyond this no vocabulary
 # reaches and the conversion could overflow.
 MAX_TOP_K = 2**31 - 1
@@ -74,7 +71,8 @@ def check_fields(obj: object, rules: Iterable[Rule]) -> None:
 
 
 def _seconds(x: object) -> bool:
-    """None, or a duration > 0 that a float holds (inf allowed: "no hurry")."""
+    """None, or a duration > 0 that a float holds (inf allowed: "no hurry"); 10**400 would
+    overflow the float arithmetic of PriorityPolicy and fail a whole engine step."""
     return x is None or (is_number(x) and x > 0 and (isinstance(x, float) or is_finite(x)))
 
 
@@ -100,8 +98,6 @@ _RULES: tuple[Rule, ...] = (
     ("stop", _stop_strings, "a non-empty string or a list of them"),
     ("include_stop_str_in_output", is_bool, "a bool"),
     ("skip_special_tokens", is_bool, "a bool"),
-    ("priority", lambda x: is_int(x) and PRIORITY_RANGE[0] <= x <= PRIORITY_RANGE[1],
-     "an int in [-2**63, 2**63 - 1] (lower = more important)"),
     ("deadline", _seconds, "None or seconds > 0 (inf allowed)"),
     ("user", is_optional_str, "None or a string"),
     ("request_class", is_optional_str, "None or a string"),
@@ -122,9 +118,11 @@ class SamplingParams:
     of a matched stop string is cut from the output unless ``include_stop_str_in_output``,
     and special tokens are left out of the text when ``skip_special_tokens``.
 
-    The last four fields only steer scheduling (``nanovllm.engine.policies``, chapter 06):
-    ``priority`` and ``deadline`` for ``"priority"``, ``user`` for ``"fair"`` and
-    ``request_class`` for ``"mixed"``; they never change which tokens are chosen.
+    The last three fields only steer scheduling (``nanovllm.engine.policies``, chapter 06):
+    ``deadline`` for ``"priority"``, ``user`` for ``"fair"`` and ``request_class`` for
+    ``"mixed"``; they never change which tokens are chosen. A request's ``priority`` is not
+    a sampling setting: as in vLLM it is passed with the request
+    (``LLM.generate(..., priority=[...])``, ``LLMEngine.add_request(..., priority=)``).
     """
 
     temperature: float = 1.0
@@ -138,7 +136,6 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    priority: int = 0  # lower = more important, as in vLLM (scheduler_policy="priority")
     deadline: float | None = None  # latency target, seconds after arrival (chapter 06)
     user: str | None = None  # tenant, for scheduler_policy="fair"
     request_class: str | None = None  # e.g. "interactive" / "batch", for "mixed"

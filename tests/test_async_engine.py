@@ -16,6 +16,7 @@ from test_scheduler import make_llm, make_tiny_llama, one_torch_thread  # noqa: 
 
 from nanovllm import SamplingParams
 from nanovllm.engine.async_engine import AsyncEngine, EngineError
+from nanovllm.engine.policies import FCFS
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
@@ -232,3 +233,93 @@ def test_stop_strings_are_never_streamed(engine, reference):
     out = chunks[-1].output
     assert out.finish_reason == "stop" and out.text == text[: text.index(stop)]
     assert "".join(c.text for c in chunks) == out.text
+
+
+class PoisonablePolicy(FCFS):
+    """FCFS, except that it raises whenever a request of user "poison" is in the queue."""
+
+    def order(self, seqs, now):
+        if any(s.user == "poison" for s in seqs):
+            raise ZeroDivisionError("this policy cannot rank poison")
+        return super().order(seqs, now)
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [{"scheduler_policy": PoisonablePolicy()},
+     {"scheduler_policy": PoisonablePolicy(), "async_scheduling": True}],
+    indirect=True,
+    ids=["sync", "async-scheduling"],
+)
+def test_one_failing_request_ends_alone_and_the_engine_serves_on(engine, reference):
+    good = [engine.submit(PROMPTS[i], GREEDY) for i in range(6)]
+    bad = engine.submit(PROMPTS[7], SamplingParams(max_tokens=4, user="poison"))
+    later = [engine.submit(PROMPTS[i], GREEDY) for i in range(6, 9)]
+    out = bad.result(timeout=30)
+    assert out.finish_reason == "error" and "ZeroDivisionError" in out.error
+    assert list(bad)[-1].finish_reason == "error"
+    for i, stream in enumerate(good + later):
+        assert stream.result(timeout=30).token_ids == reference[i].token_ids
+    with pytest.raises(ValueError, match="seed"):  # a bad seed never reaches the engine
+        engine.submit(PROMPTS[0], SamplingParams(seed=1.5))
+    assert engine.submit(PROMPTS[9], GREEDY).result(30).token_ids == reference[9].token_ids
+    assert engine.is_running
+    bm = engine.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_no_idle_wait_while_requests_take_turns(model_dir, async_scheduling, monkeypatch):
+    """A KV cache that holds one request at a time, and a queue: each request can start only
+    once the one before it has freed its blocks. The engine thread must go straight on and
+    never take its 10 ms "nothing could be scheduled" nap (with async scheduling it used to,
+    after every step that only delivered in-flight tokens)."""
+    llm = make_llm(model_dir, num_kv_blocks=3, async_scheduling=async_scheduling)
+    engine = AsyncEngine(llm.engine)
+    naps = []
+    real_wait = engine._wakeup.wait
+
+    def wait(timeout=None):
+        if timeout is not None:
+            naps.append(timeout)
+        return real_wait(timeout)
+
+    monkeypatch.setattr(engine._wakeup, "wait", wait)
+    prompts = [list(range(100 * i, 100 * i + 33)) for i in range(8)]  # 3 blocks each
+    streams = [engine.submit(p, SamplingParams(temperature=0, max_tokens=4)) for p in prompts]
+    assert all(s.result(30).finish_reason == "length" for s in streams)
+    engine.shutdown()
+    assert naps == []
+
+
+def test_generated_ids_step_around_user_ids(engine):
+    taken = engine.submit(PROMPTS[1], LONG, request_id="1")
+    streams = [engine.submit(PROMPTS[0], GREEDY) for _ in range(50)]
+    ids = [s.request_id for s in streams]
+    assert len(set(ids)) == 50 and "1" not in ids
+    assert all(s.result(30).finish_reason == "length" for s in streams)
+    engine.abort("1")
+    assert taken.result(30).finish_reason == "abort"
+
+
+def test_the_shared_tokenizer_is_safe_from_many_threads(engine):
+    tokenizer = engine.engine.tokenizer
+    texts = [p for p in PROMPTS if isinstance(p, str)][:40]
+    expected = [(tokenizer.encode(t), tokenizer.decode(tokenizer.encode(t))) for t in texts]
+    results, errors = {}, []
+
+    def work(k):
+        try:
+            for _ in range(20):
+                for i in range(k, len(texts), 8):
+                    ids = tokenizer.encode(texts[i])
+                    results[i] = (ids, tokenizer.decode(ids))
+        except Exception as exc:  # noqa: BLE001 -- reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and [results[i] for i in range(len(texts))] == expected

@@ -8,7 +8,13 @@ and the extra token they computed dropped. Every test runs both modes and compar
 from __future__ import annotations
 
 import pytest
-from test_scheduler import PROMPTS, _params, make_tiny_llama, one_torch_thread  # noqa: F401
+from test_scheduler import (  # noqa: F401
+    PRIORITIES,
+    PROMPTS,
+    _params,
+    make_tiny_llama,
+    one_torch_thread,
+)
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.sequence import PLACEHOLDER
@@ -21,7 +27,8 @@ def tiny(tmp_path_factory):
 
 def run(path, params, prompts=PROMPTS, **options):
     llm = LLM(path, num_kv_blocks=options.pop("num_kv_blocks", 256), **options)
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    priority = PRIORITIES if prompts is PROMPTS else None
+    outs = llm.generate(prompts, params, use_tqdm=False, priority=priority)
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
     return llm, outs

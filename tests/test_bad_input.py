@@ -87,7 +87,7 @@ def test_one_bad_prompt_submits_nothing_and_others_still_complete(llm):
         llm.generate(good + [""], GREEDY, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
     # a request already inside the engine survives a bad one submitted beside it
-    request_id = llm.engine.add_request(None, good[0], GREEDY)
+    llm.engine.add_request("survivor", good[0], GREEDY)  # the only request in the engine
     with pytest.raises(ValueError):
         llm.engine.add_request(None, "word " * 200, GREEDY)
     tokens = []

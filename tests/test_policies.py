@@ -257,8 +257,6 @@ def test_bad_policies_are_rejected():
         ({"deadline": 0}, "deadline"),
         ({"deadline": -1.0}, "deadline"),
         ({"deadline": float("nan")}, "deadline"),
-        ({"priority": 1.5}, "priority"),
-        ({"priority": True}, "priority"),
         ({"user": 5}, "user"),
         ({"request_class": ["batch"]}, "request_class"),
     ],

@@ -89,6 +89,9 @@ rng = random.Random(0)
 PROMPTS = [[rng.randrange(VOCAB) for _ in range(n)] for n in (1, 2, 5, 16, 17, 33, 47, 64)]
 
 
+PRIORITIES = [i % 3 for i in range(len(PROMPTS))]  # for scheduler_policy="priority"
+
+
 def _params(max_tokens: int) -> list[SamplingParams]:
     users, classes = ["alice", "bob", "bob", "bob"], ["interactive", "batch"]
     return [
@@ -96,7 +99,6 @@ def _params(max_tokens: int) -> list[SamplingParams]:
             temperature=0,
             max_tokens=max_tokens,
             ignore_eos=True,
-            priority=i % 3,
             user=users[i % 4],
             request_class=classes[i % 2],
         )
@@ -115,7 +117,7 @@ def make_llm(path, **options) -> LLM:
 
 def _generate(path, max_tokens=12, **options):
     llm = make_llm(path, num_kv_blocks=options.pop("num_kv_blocks", 256), **options)
-    outs = llm.generate(PROMPTS, _params(max_tokens), use_tqdm=False)
+    outs = llm.generate(PROMPTS, _params(max_tokens), use_tqdm=False, priority=PRIORITIES)
     return llm, [o.token_ids for o in outs]
 
 
@@ -170,7 +172,7 @@ def test_request_and_step_metrics_add_up(tiny):
     llm = make_llm(tiny, num_kv_blocks=256, max_num_batched_tokens=32, enable_prefix_caching=False)
     assert llm.engine.timeline is None  # off unless asked for
     llm.engine.timeline = TimelineRecorder()
-    outs = llm.generate(PROMPTS, _params(12), use_tqdm=False)
+    outs = llm.generate(PROMPTS, _params(12), use_tqdm=False, priority=PRIORITIES)
     for out in outs:
         m = out.metrics
         assert m.num_output_tokens == len(out.token_ids) == 12 and m.num_preemptions == 0
@@ -194,7 +196,10 @@ def test_request_and_step_metrics_add_up(tiny):
 
 def test_preemption_and_prefix_cache_metrics(tiny):
     llm = make_llm(tiny, num_kv_blocks=12, max_num_batched_tokens=40)
-    outs = llm.generate(PROMPTS + [PROMPTS[-1]], _params(24) + _params(24)[:1], use_tqdm=False)
+    outs = llm.generate(
+        PROMPTS + [PROMPTS[-1]], _params(24) + _params(24)[:1], use_tqdm=False,
+        priority=PRIORITIES + PRIORITIES[-1:],
+    )
     stats = llm.engine.stats
     assert sum(o.metrics.num_preemptions for o in outs) == llm.engine.scheduler.num_preemptions
     assert stats.steps[-1].num_preemptions == llm.engine.scheduler.num_preemptions > 0

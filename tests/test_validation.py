@@ -77,7 +77,6 @@ BAD_SAMPLING = [
     ("stop", ["", [""], [1], 5, None, [None]]),
     ("include_stop_str_in_output", [1, "yes", None]),
     ("skip_special_tokens", [0, "no", None]),
-    ("priority", [1.5, True, "1", None, 2**63, 10**400]),
     ("deadline", [0, -1.0, float("nan"), "1", True, 10**400]),
     ("user", [5, ["a"]]),
     ("request_class", [["batch"], 1]),
@@ -95,7 +94,6 @@ GOOD_SAMPLING = [
     ("stop", [[], "x", ["a", "bc"], ("a",)]),
     ("include_stop_str_in_output", [True, False]),
     ("skip_special_tokens", [True, False]),
-    ("priority", [0, -5, 2**63 - 1, -(2**63)]),
     ("deadline", [None, 0.5, 3, float("inf")]),
     ("user", [None, "alice", ""]),
     ("request_class", [None, "batch"]),
@@ -515,22 +513,48 @@ def test_extra_or_unreadable_checkpoint(tmp_path):
 
 MAX_MODEL_LEN = 24
 PROMPT = [5, 6, 7]
+# Values of every type, the edge cases of floats (nan, inf, 1e308, 5e-324) included.
 anything = st.one_of(
     st.none(),
     st.booleans(),
     st.integers(min_value=-3, max_value=70),
     st.integers(),
-    st.floats(min_value=0, max_value=2),
-    st.floats(),  # nan, inf, huge and tiny included
+    st.floats(),
     st.text(max_size=3),
     st.lists(st.integers(min_value=-2, max_value=VOCAB + 2), max_size=3),
     st.lists(st.text(max_size=2), max_size=2),
 )
-SAMPLING_FIELDS = [
-    "temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "ignore_eos",
-    "stop_token_ids", "stop", "include_stop_str_in_output", "skip_special_tokens",
-    "priority", "deadline", "user", "request_class",
-]
+edge_floats = st.sampled_from([0.0, 5e-324, 1e-300, 1e-38, 1e-5, 1.0, 1e308])
+
+
+def mixed(plausible: st.SearchStrategy) -> st.SearchStrategy:
+    """Mostly values of the field's own kind (so that many requests get to run), sometimes
+    anything at all."""
+    return st.one_of(plausible, plausible, anything)
+
+
+SAMPLING_VALUES = {
+    "temperature": mixed(st.one_of(st.floats(0, 5), edge_floats)),
+    "top_k": mixed(st.one_of(st.integers(-1, VOCAB + 5), st.just(2**31 - 1))),
+    "top_p": mixed(st.one_of(st.floats(0, 1), edge_floats)),
+    "min_p": mixed(st.one_of(st.floats(0, 1), edge_floats)),
+    "seed": mixed(st.one_of(st.none(), st.integers(*SEED_RANGE))),
+    "max_tokens": mixed(st.one_of(st.integers(1, 30), st.integers(min_value=1))),
+    "ignore_eos": mixed(st.booleans()),
+    "stop_token_ids": mixed(st.one_of(st.integers(0, VOCAB), st.lists(st.integers(0, 10**6)))),
+    "stop": mixed(st.one_of(st.text(min_size=1), st.lists(st.text(min_size=1), max_size=2))),
+    "include_stop_str_in_output": mixed(st.booleans()),
+    "skip_special_tokens": mixed(st.booleans()),
+    "deadline": mixed(st.one_of(st.none(), st.floats(min_value=0, exclude_min=True))),
+    "user": mixed(st.one_of(st.none(), st.text(max_size=2))),
+    "request_class": mixed(st.one_of(st.none(), st.text(max_size=2))),
+}
+
+
+def some_fields(values: dict[str, st.SearchStrategy], max_size: int) -> st.SearchStrategy:
+    """A dict of up to ``max_size`` of the fields, each with a value from its strategy."""
+    names = st.lists(st.sampled_from(sorted(values)), max_size=max_size, unique=True)
+    return names.flatmap(lambda ns: st.fixed_dictionaries({n: values[n] for n in ns}))
 
 
 def assert_well_formed(outputs, max_tokens: int) -> None:
@@ -545,18 +569,35 @@ def assert_well_formed(outputs, max_tokens: int) -> None:
 def fuzz_llm(tiny_dir):
     return LLM(tiny_dir, load_format="dummy", device="cpu", dtype="float32",
                max_model_len=MAX_MODEL_LEN, num_kv_blocks=4, block_size=8,
-               scheduler_policy="priority")  # so priority and deadline reach its arithmetic
+               scheduler_policy="priority")  # so deadlines reach its arithmetic
 
 
-@settings(max_examples=50, deadline=None, database=None,
+def test_edge_values_sample_as_they_mean(fuzz_llm):
+    """Values at the edge of each range keep their meaning through float32 on the device:
+    a NaN distribution would show as token 0 forever (argmax picks the first NaN)."""
+    run = lambda **kw: fuzz_llm.generate(  # noqa: E731
+        [PROMPT], SamplingParams(max_tokens=12, ignore_eos=True, **kw), use_tqdm=False
+    )[0].token_ids
+    greedy = run(temperature=0)
+    assert set(greedy) != {0}  # else the comparisons below could not see NaN
+    for kwargs in ({"temperature": 1e-38}, {"top_p": 1e-300}, {"top_p": 5e-324},
+                   {"top_k": 1}, {"min_p": 1.0}):
+        assert run(seed=1, **kwargs) == greedy, kwargs
+    assert len(set(run(temperature=1e308, seed=0))) > 3  # uniform, not stuck on one token
+
+
+@settings(max_examples=60, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow])
-@given(kwargs=st.dictionaries(st.sampled_from(SAMPLING_FIELDS), anything, max_size=4))
+@given(kwargs=some_fields(SAMPLING_VALUES, max_size=5))
 def test_fuzz_sampling_params(fuzz_llm, kwargs):
+    # generate() validates each request against the model (e.g. stop ids within the
+    # vocabulary) before submitting any: a ValueError there is a rejection too
     try:
         params = SamplingParams(**kwargs)
+        outputs = fuzz_llm.generate([PROMPT], params, use_tqdm=False)
     except ValueError:
         return
-    assert_well_formed(fuzz_llm.generate([PROMPT], params, use_tqdm=False), params.max_tokens)
+    assert_well_formed(outputs, params.max_tokens)
 
 
 ENGINE_FIELDS = [
@@ -570,7 +611,7 @@ INT_FIELDS = ["max_num_seqs", "max_num_batched_tokens", "block_size", "seed",
 
 
 @settings(max_examples=60, deadline=None, database=None)
-@given(kwargs=st.dictionaries(st.sampled_from(ENGINE_FIELDS), anything, max_size=4))
+@given(kwargs=some_fields({name: anything for name in ENGINE_FIELDS}, max_size=4))
 def test_fuzz_engine_config(tiny_dir, kwargs):
     try:
         config = EngineConfig(model=str(tiny_dir), **kwargs)
@@ -588,27 +629,29 @@ def test_fuzz_engine_config(tiny_dir, kwargs):
     assert 0 < config.gpu_memory_utilization <= 1
 
 
-small = st.one_of(
-    st.integers(min_value=-1, max_value=MAX_POS + 1),
-    st.sampled_from([16.0, True, False, None, "8", float("nan")]),
-)
+odd = st.sampled_from([None, True, 16.0, "8", float("nan"), 0, -1])
+ENGINE_VALUES = {  # num_kv_blocks is always given: its CPU default would allocate 1 GiB
+    "max_model_len": st.one_of(st.integers(1, MAX_POS + 2), odd),
+    "max_num_seqs": st.one_of(st.integers(1, 4), odd),
+    "max_num_batched_tokens": st.one_of(st.integers(1, 64), odd),
+    "block_size": st.one_of(st.sampled_from([1, 2, 4, 8, 16, 32, 64]), odd),
+    "enable_prefix_caching": st.one_of(st.booleans(), odd),
+    "enable_chunked_prefill": st.one_of(st.booleans(), odd),
+}
 
 
-@settings(max_examples=10, deadline=None, database=None)
+@settings(max_examples=20, deadline=None, database=None)
 @given(
-    kwargs=st.fixed_dictionaries(
-        {"num_kv_blocks": st.one_of(st.integers(min_value=-1, max_value=12), st.just(4.0))},
-        optional={name: small for name in ["max_model_len", "max_num_seqs",
-                                            "max_num_batched_tokens", "block_size",
-                                            "enable_prefix_caching", "enable_chunked_prefill"]},
-    ),
+    kwargs=some_fields(ENGINE_VALUES, max_size=4),
+    num_kv_blocks=st.one_of(st.integers(1, 12), st.sampled_from([0, 4.0, "4"])),
     max_tokens=st.integers(min_value=1, max_value=8),
 )
-def test_fuzz_engine_config_then_generate(tiny_dir, kwargs, max_tokens):
+def test_fuzz_engine_config_then_generate(tiny_dir, kwargs, num_kv_blocks, max_tokens):
     # a ValueError may come from the config, the engine (e.g. max_model_len above the
     # model's limit) or the request (it cannot fit the KV cache): all before any work
     try:
-        llm = LLM(tiny_dir, load_format="dummy", device="cpu", dtype="float32", **kwargs)
+        llm = LLM(tiny_dir, load_format="dummy", device="cpu", dtype="float32",
+                  num_kv_blocks=num_kv_blocks, **kwargs)
         params = SamplingParams(temperature=0, max_tokens=max_tokens)
         outputs = llm.generate([PROMPT], params, use_tqdm=False)
     except ValueError:
