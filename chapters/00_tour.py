@@ -257,7 +257,7 @@ for out in outputs[:2]:
 #
 # | Chapter | Topic | Package modules it grows (under `nanovllm/`) |
 # |---|---|---|
-# | 00 | the tour (this chapter) | `llm.py`, `config.py`, `outputs.py` |
+# | 00 | the tour (this chapter) | `llm.py`, `config.py`, `outputs.py`, `inputs.py`, `tokenizer.py`, `engine/output_processor.py` |
 # | 01 | the model: Llama/Qwen3 forward, weight loading, from logits to tokens | `models/llama.py`, `models/qwen3.py`, `layers/norm.py`, `layers/rotary.py`, `layers/linear.py`, `layers/activation.py`, `layers/embed_head.py`, `layers/sampler.py`, `sampling_params.py`, `weights/` |
 # | 02 | attention: naive, masked, online softmax, varlen packing, Triton prefill kernel | `layers/attention.py`, `layers/torch_attention.py`, `kernels/prefill_attention.py` |
 # | 03 | the KV cache: prefill vs decode, bytes per token | `engine/model_runner.py` (the cache tensor), `models/model_config.py` |
@@ -311,22 +311,27 @@ print(f"{'total':<36} {total:5d} lines in {len(modules)} modules")
 
 # %% [markdown]
 # **The data flow of one step.** `LLM.generate` tokenizes each prompt and wraps it, with its
-# `SamplingParams`, in a `Sequence` (`engine/sequence.py`), which `LLMEngine.add_request` (or its
-# two halves, `make_sequence` and `add_sequence`) validates and puts in the scheduler's waiting
-# queue. Then `generate` calls `LLMEngine.step()` until every sequence has finished. One step does
-# three things. First `Scheduler.schedule()` picks the batch: running sequences get one token each
-# (decode), and waiting sequences are admitted with their prompts (prefill) as long as the step's
-# token budget and the free KV-cache blocks allow; the `BlockManager` hands each sequence the
-# blocks its new tokens need. Second, `ModelRunner.launch(batch)` lays all new tokens of the batch
-# end to end, computes for each one the cache slot its key and value go to (from the sequence's block
-# table), runs the model, whose attention layers write the new keys and values into the paged cache
-# and read back everything cached for their sequence, and hands the logits of each sequence's last
-# token to the `Sampler`, which returns one token per sequence. Third, `LLMEngine._apply`, the
-# postprocessing: put each token into its sequence, register newly filled blocks for prefix
-# caching, check the stop conditions, and on finishing free the sequence's blocks. (On a GPU the
-# engine applies a step's tokens one call later, so that the CPU schedules the next step while
-# the GPU computes this one: *async scheduling*, chapter 11.) Here is that loop, as the package
-# has it today:
+# `SamplingParams`, in a `Sequence` (`engine/sequence.py`), which `LLMEngine.make_sequence`
+# validates and `add_sequence` puts in the scheduler's waiting queue (`LLMEngine.add_request`
+# does both, with vLLM's signature `add_request(request_id, prompt, params)`). Then `generate`
+# calls `LLMEngine.step()` until every request has finished. One step does three things. First
+# `Scheduler.schedule()` picks the batch: running sequences get one token each (decode), and
+# waiting sequences are admitted with their prompts (prefill) as long as the step's token budget
+# and the free KV-cache blocks allow; the `BlockManager` hands each sequence the blocks its new
+# tokens need, and registers the blocks this step fills for prefix caching (chapter 04). Second,
+# `ModelRunner.launch(batch)` lays all new tokens of the batch end to end, computes for each one
+# the cache slot its key and value go to (from the sequence's block table), runs the model, whose
+# attention layers write the new keys and values into the paged cache and read back everything
+# cached for their sequence, and hands the logits of each sequence's last token to the
+# `Sampler`, which returns one token per sequence. Third, `LLMEngine._apply`, the postprocessing:
+# put each token into its sequence, check the stop conditions, on finishing free the sequence's
+# blocks, and report. `step()` returns one `EngineCoreOutput` per request that progressed: its
+# `request_id`, the `new_token_ids` since its last report and, in the step it ends, its
+# `finish_reason`. That is all the engine hands out; `generate` keeps a `RequestState` per request
+# (`engine/output_processor.py`) that collects these deltas and turns them into the
+# `RequestOutput`, text included, when the request is done. (On a GPU the engine applies a step's
+# tokens one call later, so that the CPU schedules the next step while the GPU computes this one:
+# *async scheduling*, chapter 11.) Here is that loop, as the package has it today:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -334,28 +339,31 @@ display(Markdown("```python\n" + inspect.getsource(llm.engine.step.__func__) + "
 
 # %% [markdown]
 # We can drive that loop by hand. Four greedy requests with 13-token prompts that want 2, 4, 6 and 8
-# new tokens (`ignore_eos=True` makes the lengths exact) go in; after each step we print how many
-# sequences received a token and how many KV blocks are in use (a block holds `block_size` tokens
-# of one sequence).
+# new tokens (`ignore_eos=True` makes the lengths exact) go in, with our own request ids; after
+# each step we print how many requests the step reported on, how many of those finished, and how
+# many KV blocks are in use (a block holds `block_size` tokens of one sequence).
 
 # %%
 # NBVAL_CHECK_OUTPUT
 engine = llm.engine
 print("block_size:", engine.config.block_size, "tokens")
 for i, n in enumerate([2, 4, 6, 8]):
-    engine.add_request(f"Story number {i}: a robot, a cat and a dog", SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    engine.add_request(f"story-{i}", f"Story number {i}: a robot, a cat and a dog",
+                       SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
 step = 0
-while engine.has_unfinished():
-    got_token = engine.step()
+while engine.has_unfinished_requests():
+    reports = engine.step()
     step += 1
-    done = sum(s.is_finished for s in got_token)
+    done = sum(r.finished for r in reports)
     used = engine.block_manager.num_blocks - engine.block_manager.num_free_blocks
-    print(f"step {step}: {len(got_token)} sequences got a token, {done} finished; KV blocks in use: {used}")
+    print(f"step {step}: {len(reports)} requests got a token, {done} finished; KV blocks in use: {used}")
+print("the last step's report:", reports)
 
 # %% [markdown]
 # In step 1 all four prompts were computed together (a prefill of every prompt, which also yields
 # each sequence's first token). Each later step is a *decode* step: one new token per running
-# sequence. As requests finish, they leave the batch and give their blocks back; nobody waits for
+# sequence. Each report is a delta: the one token the request got in that step, and, in the step
+# it ends, its `finish_reason` (`'length'` for story-3, the last to finish). As requests finish, they leave the batch and give their blocks back; nobody waits for
 # the longest request. In a server, new requests would be admitted into the freed places in the
 # very next step: that is continuous batching. The blocks in use also *grow*: in step 5 the two
 # remaining sequences reach their 17th token, one more than a block holds, and each gets a second
@@ -487,10 +495,10 @@ def measure_throughput(engine, num_requests: int, new_tokens: int = NEW_TOKENS) 
     """Run num_requests fixed-length requests together; output tokens/s end to end and in decode."""
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     for i in range(num_requests):
-        engine.add_request(f"{i}. Tell me a short story about a robot.", params)
+        engine.add_request(None, f"{i}. Tell me a short story about a robot.", params)
     step_times = []
     start = time.perf_counter()
-    while engine.has_unfinished():
+    while engine.has_unfinished_requests():
         t0 = time.perf_counter()
         engine.step()
         step_times.append(time.perf_counter() - t0)
@@ -634,7 +642,7 @@ def chatml_prompt(messages: list[dict]) -> str:
 import random
 
 from nanovllm import LLM, smollm2_path
-from nanovllm.engine.llm_engine import load_tokenizer
+from nanovllm.tokenizer import load_tokenizer
 
 tokenizer = load_tokenizer(str(smollm2_path()))
 
@@ -645,7 +653,7 @@ class PromptRecorder(LLM):
     def __init__(self, tokenizer):
         self.tokenizer, self.seen = tokenizer, []
 
-    def generate(self, prompts, sampling_params=None, use_tqdm=True):
+    def generate(self, prompts, sampling_params=None, use_tqdm=True, priority=None):
         self.seen += prompts
         return []
 
@@ -725,8 +733,9 @@ print(f"Exercise 3 passed: invalid_settings agrees with SamplingParams on {len(s
 #   `finish_reason` (`"stop"` or `"length"`). Greedy decoding is deterministic; sampling with a
 #   `seed` is reproducible whatever else is in the batch.
 # * One engine step is schedule → prepare tensors → model forward over the paged KV cache →
-#   sample → postprocess. The same model in a plain for-loop produces the same tokens; the engine
-#   changes how fast and how many, never what.
+#   sample → postprocess, and reports one delta (`EngineCoreOutput`: new token ids, finish
+#   reason) per request that progressed. The same model in a plain for-loop produces the same
+#   tokens; the engine changes how fast and how many, never what.
 # * A decode step is memory-bound: it reads all the weights for a few FLOPs per byte. That is why
 #   running many requests together multiplies throughput, as the figure shows, and why most of this
 #   book is about making room for many requests and keeping each step cheap.

@@ -136,7 +136,6 @@ class RequestStream:
         self._detokenizer = IncrementalDetokenizer(
             tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
         )
-        self.num_sent = 0  # output tokens handed out so far (engine thread only)
         self._read_to_end = False  # a second iteration then ends at once instead of blocking
 
     # -- engine-thread side ------------------------------------------------------------
@@ -159,8 +158,9 @@ class RequestStream:
         return self._done.is_set()
 
     def result(self, timeout: float | None = None) -> RequestOutput:
-        """The final output (finish_reason "stop", "length" or "abort"); raises
-        ``EngineError`` if the engine failed, ``TimeoutError`` after ``timeout`` seconds."""
+        """The final output (finish_reason "stop", "length", "abort", or "error" with the
+        reason in ``error``); raises ``EngineError`` if the engine failed, ``TimeoutError``
+        after ``timeout`` seconds."""
         if not self._done.wait(timeout):
             raise TimeoutError(f"request {self.request_id!r} unfinished after {timeout} s")
         if self._error is not None:

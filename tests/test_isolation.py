@@ -3,6 +3,8 @@ interrupts and threads. Engine tests run with async scheduling off and on."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import signal
 import threading
 
@@ -326,3 +328,16 @@ def test_stop_strings_in_any_script(smollm2, async_scheduling, question, stop):
         assert completion.token_ids == free.token_ids[: len(completion.token_ids)]
         assert stop in llm.tokenizer.decode(completion.token_ids)
         assert stop not in llm.tokenizer.decode(completion.token_ids[:-1])
+
+
+def test_every_eos_id_of_generation_config_stops(tiny, tmp_path):
+    """Qwen-family folders list several EOS ids in generation_config.json, not config.json."""
+    [free] = make_llm(tiny).generate(PROMPTS[6:7], greedy(8), use_tqdm=False)
+    eos = free.token_ids[2]
+    folder = tmp_path / "model"
+    shutil.copytree(tiny, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, eos]}))
+    params = SamplingParams(temperature=0, max_tokens=8)
+    [out] = make_llm(folder).generate(PROMPTS[6:7], params, use_tqdm=False)
+    assert out.token_ids == free.token_ids[: free.token_ids.index(eos) + 1]
+    assert (out.finish_reason, out.outputs[0].stop_reason) == ("stop", None)

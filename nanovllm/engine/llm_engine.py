@@ -235,7 +235,8 @@ class LLMEngine:
     def _apply_token(self, seq: Sequence, token: int, now: float) -> EngineCoreOutput:
         # This step's token follows the ones delivered so far; with async scheduling the
         # next step's placeholder may already stand after it.
-        length = seq.num_prompt_tokens + seq.metrics.num_output_tokens + 1
+        seq.num_delivered_tokens += 1
+        length = seq.num_prompt_tokens + seq.num_delivered_tokens
         seq.token_ids[length - 1] = token
         # Blocks that waited for this token are registered now (see cache_full_blocks).
         self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens)

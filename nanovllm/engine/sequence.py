@@ -54,6 +54,9 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of this sequence's full blocks
         self.num_computed_tokens = 0
+        # Output tokens whose values have reached the host; with async scheduling the newest
+        # one may still be a PLACEHOLDER after them (chapter 11).
+        self.num_delivered_tokens = 0
         self.finish_reason: str | None = None
         # Text so far, kept only for requests with stop strings (the engine's stop check).
         self.detokenizer: IncrementalDetokenizer | None = None

