@@ -356,7 +356,7 @@ while engine.has_unfinished_requests():
     step += 1
     done = sum(r.finished for r in reports)
     used = engine.block_manager.num_blocks - engine.block_manager.num_free_blocks
-    print(f"step {step}: {len(reports)} requests got a token, {done} finished; KV blocks in use: {used}")
+    print(f"step {step}: tokens for {len(reports)} requests, {done} finished; KV blocks in use: {used}")
 print("the last step's report:", reports)
 
 # %% [markdown]
@@ -400,14 +400,18 @@ print(f"KV cache: {bm.num_blocks} blocks x {engine.config.block_size} tokens "
       f"= {bm.num_blocks * engine.config.block_size:,} tokens")
 print(f"bytes per block: {engine.runner.kv_bytes_per_block():,}")
 print(f"block usage now: {bm.usage:.2f}")
-print(f"prefix hit rate so far: {bm.prefix_hit_rate:.3f}")
+print(f"prefix hit rate so far: {bm.prefix_hit_rate:.3f} "
+      f"({bm.hit_tokens} of {bm.queried_tokens} prompt tokens)")
 print(f"preemptions so far: {engine.scheduler.num_preemptions}")
 
 # %% [markdown]
-# The hit rate is small because most of our prompts were short completions with nothing in
-# common; a chat service whose requests share long system prompts sees much more. No request was
-# ever *preempted* (evicted from the batch because the cache ran out of blocks, chapter 06): the
-# cache is far larger than this chapter needs.
+# The hits are the system message's full block, found by every chat but the first: by the
+# question above, and already by two of the three questions of 0.4, although those were admitted
+# in the same step as the first one (a block is registered for sharing as soon as its
+# computation is scheduled, chapter 04). Our completions and stories had nothing in common, so
+# the rate stays low; a chat service whose requests share long system prompts sees much more. No
+# request was ever *preempted* (evicted from the batch because the cache ran out of blocks,
+# chapter 06): the cache is far larger than this chapter needs.
 #
 # The bytes per block follow from the architecture. Each token stores a key and a value (2) in
 # every layer, for every KV head, each a vector of `head_dim` numbers of `dtype`'s size:

@@ -822,6 +822,7 @@ rng = random.Random(301)
 for _ in range(200):
     heads = rng.choice([4, 8, 12, 16, 32, 40, 64])
     config = {
+        "architectures": ["LlamaForCausalLM"],
         "vocab_size": 1000,
         "hidden_size": heads * rng.choice([32, 64, 80, 128]),
         "intermediate_size": 1024,

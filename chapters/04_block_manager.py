@@ -69,6 +69,7 @@ from matplotlib.patches import ConnectionPatch, Patch, Rectangle
 from nanovllm import LLM, SamplingParams, smollm2_path
 from nanovllm.engine.block_manager import BlockManager, chain_hash
 from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.output_processor import RequestState
 from nanovllm.engine.sequence import Sequence
 from nanovllm.viz import BOOK_COLORS, save_figure, use_book_style
 
@@ -167,7 +168,7 @@ texts = {
     "C": "Write a haiku about autumn leaves falling slowly on a quiet pond in the evening light.",
 }
 for name, text in texts.items():
-    engine.add_request(text, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), name)
+    engine.add_request(name, text, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
 seqs = {name: engine.requests[name] for name in texts}
 
 batch = engine.scheduler.schedule()
@@ -329,7 +330,7 @@ plt.show()
 # The requests are still running; we let them finish before moving on.
 
 # %%
-while engine.has_unfinished():
+while engine.has_unfinished_requests():
     engine.step()
 print("outputs:", {name: len(s.output_token_ids) for name, s in seqs.items()},
       "| blocks in use:", bm.num_blocks - bm.num_free_blocks)
@@ -493,14 +494,13 @@ shared_block = rng.integers(1000, 5000, BS).tolist()
 prompt_a = rng.integers(1000, 5000, 2 * BS).tolist() + shared_block
 prompt_b = rng.integers(1000, 5000, 2 * BS).tolist() + shared_block
 for name, prompt in (("a", prompt_a), ("b", prompt_b)):
-    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=2), name)
+    engine.add_request(name, prompt, SamplingParams(temperature=0, max_tokens=2))
 pair = [engine.requests["a"], engine.requests["b"]]
 engine.step()  # the prefill: both prompts' keys and values are now in the cache
 k_cache = engine.runner.kv_cache[0]  # keys: [layers, blocks, block_size, kv_heads, head_dim]
 block_a, block_b = pair[0].block_table[2], pair[1].block_table[2]
 diff = (k_cache[:, block_a] - k_cache[:, block_b]).abs().amax(dim=(1, 2, 3)).cpu()
-for seq in pair:
-    engine.abort(seq.request_id)  # finish them early: frees their blocks
+engine.abort_request(["a", "b"])  # finish them early: frees their blocks
 print(f"the same 16 tokens at positions 32-47, stored in two different blocks: {block_a != block_b}")
 print("layer 0 keys equal:", bool(diff[0] < 1e-5),
       "| keys differ by more than 0.1 in every later layer:", bool((diff[1:] > 0.1).all()))
@@ -611,9 +611,8 @@ def random_history(seed, num_blocks=40, num_requests=60):
     for _ in range(num_requests):
         seq = Sequence(random_prompt(), GREEDY)
         cached = pkg.cached_prefix(seq)
-        if pkg.allocate(seq, seq.num_tokens - len(cached) * BS, cached):
+        if pkg.allocate(seq, seq.num_tokens - len(cached) * BS, cached):  # also registers
             seq.num_computed_tokens = seq.num_tokens  # the prefill ran
-            pkg.cache_full_blocks(seq)
             running.append(seq)
         if running and rng.random() < 0.6:  # some request finishes
             pkg.free(running.pop(rng.randrange(len(running))))
@@ -637,16 +636,20 @@ print(f"our lookup == package cached_prefix on {agree} random prompts ({hits} wi
 show_source(chain_hash, BlockManager.cached_prefix, BlockManager.cache_full_blocks)
 
 # %% [markdown]
-# `cache_full_blocks` runs after every step (`LLMEngine.step`). It hashes each block that became
-# full since the last call (a sequence remembers its chain in `seq.block_hashes`) and registers
-# it, unless an identical block is already registered. Note that it looks at
-# `num_computed_tokens`, not at the prompt: a block filled by **generated** tokens is registered
-# just the same (section 3.6 uses that).
+# `cache_full_blocks(seq, num_tokens)` hashes each full block among the first `num_tokens` tokens
+# that is not hashed yet (a sequence remembers its chain in `seq.block_hashes`) and registers it,
+# unless an identical block is already registered. `allocate` calls it with the tokens the step
+# will have computed, so a block is registered as soon as its computation is *scheduled*, before
+# the step runs (vLLM does the same). It looks at the tokens being computed, not at the prompt: a
+# block filled by **generated** tokens is registered just the same (section 3.6 uses that).
 #
-# A consequence of registering *after* the step: requests admitted in the same step as the first
-# request with a given prefix do not find its blocks, since they are not computed yet. They
-# compute their own copy. Section 4 therefore lets the first request of the workload start one
-# step before the others.
+# Registering when the computation is scheduled means that a request admitted in the *same step*
+# as the first request with a given prefix already finds that prefix's blocks and adopts them,
+# although their keys and values are not in the cache yet. That is safe because, in every layer,
+# the step writes the keys and values of all its new tokens into the cache before any attention
+# reads from it. (If a block's computation is dropped before the step runs, for example because
+# its request is preempted, the block loses its registration and the requests that adopted it are
+# recomputed later.) Section 4 admits a whole workload in one step and relies on this.
 
 # %% [markdown]
 # ### 3.3 Reference counts: sharing between running requests
@@ -662,9 +665,8 @@ def admit(pkg, tokens):
     """What the scheduler does for a waiting request, plus the step that computes it."""
     seq = Sequence(tokens, GREEDY)
     cached = pkg.cached_prefix(seq)
-    assert pkg.allocate(seq, seq.num_tokens - len(cached) * BS, cached)
+    assert pkg.allocate(seq, seq.num_tokens - len(cached) * BS, cached)  # registers its full blocks
     seq.num_computed_tokens = seq.num_tokens
-    pkg.cache_full_blocks(seq)
     return seq, cached
 
 
@@ -808,11 +810,12 @@ print("turn 2 reused blocks written while generating turn 1's answer:",
 # question, greedy, 8 new tokens (`ignore_eos=True`, so that every run does the same amount of
 # work and every count below is the same on any device).
 #
-# The first customer's request starts one step before the others (in a running service the
-# system prompt would have been seen long before; section 3.2 explains why it matters). We
+# All 24 requests arrive at once, on a fresh engine whose cache holds nothing yet, and are
+# admitted in the same step: with caching on, the first one computes the system prompt and the
+# other 23 adopt its blocks in that very step (section 3.2). We
 # run the workload twice, on fresh engines with `enable_prefix_caching=True` and `False`,
 # with the default `max_model_len` (the model's context length, capped at 8192), 512 KV blocks,
-# and a step budget of 8192 tokens (`max_num_batched_tokens`) so that all the later requests are
+# and a step budget of 8192 tokens (`max_num_batched_tokens`) so that all the requests are
 # admitted in one step even without caching (otherwise chunked prefill spreads them over two
 # steps; chapter 06). After every step we record the KV blocks
 # in use (held by at least one running request) and, for section 5, what contiguous
@@ -853,10 +856,9 @@ print(f"{len(WORKLOAD)} requests, prompts of {min(lengths)}-{max(lengths)} token
 
 
 def serve(llm, prompts, params):
-    """Run the workload, the first request one step ahead; return outputs, a per-step trace
+    """Run the workload, all requests arriving together; return outputs, a per-step trace
     and the wall time."""
     engine, bm = llm.engine, llm.engine.block_manager
-    seqs = [engine.make_sequence(p, params) for p in prompts]
     trace = []
 
     def record():  # after each step
@@ -872,15 +874,16 @@ def serve(llm, prompts, params):
         })
 
     start = time.perf_counter()
-    engine.add_sequence(seqs[0])
-    engine.step()
-    record()
-    for seq in seqs[1:]:
+    states = {}  # request id -> RequestState: collects the step's deltas into an output
+    for p in prompts:
+        seq = engine.make_sequence(p, params)
         engine.add_sequence(seq)
-    while any(not s.is_finished for s in seqs):
-        engine.step()
+        states[seq.request_id] = RequestState(seq, engine.tokenizer)
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            states[delta.request_id].update(delta)
         record()
-    return [engine.output(s) for s in seqs], trace, time.perf_counter() - start
+    return [state.output() for state in states.values()], trace, time.perf_counter() - start
 
 
 # %%
@@ -928,19 +931,19 @@ for q, out in list(zip(QUESTIONS, on["outputs"]))[:3]:
     print(f"{q!r:35} -> {out.text!r}")
 
 # %% [markdown]
-# Time (machine-dependent, not checked). Caching removes prefill work only, and almost all of it
-# sits in the second step, where all but the first request are admitted together; the decode steps (one token
+# Time (machine-dependent, not checked). Caching removes prefill work only, and all of it sits
+# in the first step, where all the requests are admitted together; the decode steps (one token
 # per request per step) cost the same in both runs. So we show that step on its own as well as
 # the whole run. (On a CPU shared with other jobs these numbers can be noisy.)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 for caching, r in runs.items():
-    admit_step = r["trace"][1]
-    print(f"prefix caching {'on ' if caching else 'off'}: step 2 ({admit_step['prefill_tokens']:4d} "
+    admit_step = r["trace"][0]
+    print(f"prefix caching {'on ' if caching else 'off'}: step 1 ({admit_step['prefill_tokens']:4d} "
           f"prefill tokens) {admit_step['seconds']:6.2f} s | whole run {r['seconds']:5.1f} s for "
           f"{len(r['trace'])} steps ({r['prefill_tokens']} prefill + {r['decode_tokens']} decode tokens)")
-print(f"speed-up on {device}: step 2 {off['trace'][1]['seconds'] / on['trace'][1]['seconds']:.1f}x, "
+print(f"speed-up on {device}: step 1 {off['trace'][0]['seconds'] / on['trace'][0]['seconds']:.1f}x, "
       f"whole run {off['seconds'] / on['seconds']:.2f}x")
 
 # %%
@@ -972,17 +975,17 @@ plt.show()
 # %% [markdown]
 # Read the numbers above as follows. Without caching every request computes its whole prompt,
 # so the prefill work is the sum of the prompt lengths. With caching, the first request computes
-# the system prompt once; every later request adopts its full blocks (all but the block where the
-# system prompt and the question meet, which differs from request to request) and computes only
-# its last block or two. The hit rate is the fraction of all prompt tokens that came from the
-# cache. The peak memory falls by roughly the same share, because the system prompt's blocks are
-# held once (their reference count is the number of running requests that use them) instead of
-# once per request. The step plot shows both: the first step (the first request alone) is the
-# same in both runs; from the second step the requests hold far fewer blocks with caching. While
-# they decode, a request whose new tokens cross a block boundary takes one more block (the small
-# rises of both curves after step 2: the prompts end just before or after a multiple of 16). In the
-# last two steps the requests finish (the first one a step earlier, as it started a step earlier)
-# and return their blocks; the shared blocks stay held until their last user finishes.
+# the system prompt once; every later request, admitted in the same step, adopts its full blocks
+# (all but the block where the system prompt and the question meet, which differs from request
+# to request) and computes only its last block or two. The hit rate is the fraction of all prompt
+# tokens that came from the cache. The peak memory falls by roughly the same share, because the
+# system prompt's blocks are held once (their reference count is the number of running requests
+# that use them) instead of once per request. The step plot shows both: from the first step, in
+# which all the requests are admitted, they hold far fewer blocks with caching. While they
+# decode, a request whose new tokens cross a block boundary takes one more block (the small rises
+# of both curves after step 1: the prompts end just before or after a multiple of 16). In the
+# last step all the requests finish together and return their blocks, the shared ones included
+# (a shared block goes back to the free list only when its last user finishes).
 #
 # And the outputs are identical, token for token: a cached block holds exactly the keys and
 # values the request would have computed itself.
@@ -1095,7 +1098,7 @@ print("Exercise 1 passed: slot_mapping matches ModelRunner.prepare on 200 random
 # xxHash-64 of every *full* block, computed with `xxhash` directly, in the package's byte format:
 # the parent hash (absent for block 0) as 8 little-endian bytes, then the block's token ids as
 # little-endian int64. The check compares your list with the hashes the package's block manager
-# registers (`seq.block_hashes` after `cache_full_blocks`).
+# registers (`seq.block_hashes` after `allocate`, which calls `cache_full_blocks`).
 
 # %% tags=["exercise"]
 import numpy as np
@@ -1130,9 +1133,7 @@ for trial in range(100):
     tokens = [rng.randrange(49152) for _ in range(rng.randint(1, 150))]
     manager = BlockManager(200, block_size)
     seq = Sequence(tokens, SamplingParams())
-    assert manager.allocate(seq, len(tokens))
-    seq.num_computed_tokens = len(tokens)
-    manager.cache_full_blocks(seq)
+    assert manager.allocate(seq, len(tokens))  # registers the full blocks
     got = chain_hashes(tokens, block_size)
     assert len(got) == len(tokens) // block_size, "one hash per full block (a partial block has none)"
     assert got == seq.block_hashes, f"block_size {block_size}: first difference at block " \
@@ -1188,7 +1189,6 @@ for trial in range(20):
         checked += 1
         with_revived += 0 in counts
         seq.num_computed_tokens = len(tokens)
-        manager.cache_full_blocks(seq)
         running.append(seq)
         if rng.random() < 0.6:
             manager.free(running.pop(rng.randrange(len(running))))

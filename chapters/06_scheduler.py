@@ -44,7 +44,8 @@
 # `nanovllm/engine/policies.py` (who goes first), `nanovllm/engine/llm_engine.py` (the step
 # loop, `stats`, `timeline`), `nanovllm/engine/metrics.py` (`StepMetrics`, `TimelineRecorder`,
 # `latency_summary`), `nanovllm/outputs.py` (`RequestMetrics`), the scheduling fields of
-# `nanovllm/sampling_params.py` (`priority`, `deadline`, `user`, `request_class`) and, briefly,
+# `nanovllm/sampling_params.py` (`deadline`, `user`, `request_class`), a request's `priority`
+# (an argument of `generate` and `add_request`, as in vLLM) and, briefly,
 # `nanovllm/engine/async_engine.py`.
 
 # %% [markdown]
@@ -144,7 +145,7 @@ def prompt(i: int, length: int) -> list[int]:
 
 
 def greedy(n: int, **scheduling) -> SamplingParams:
-    """Exactly n new tokens, greedily; `scheduling` sets priority, deadline, user, request_class."""
+    """Exactly n new tokens, greedily; `scheduling` sets deadline, user, request_class."""
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **scheduling)
 
 
@@ -701,7 +702,7 @@ plt.show()
 # | name | ranks by | per-request fields used |
 # |---|---|---|
 # | `"fcfs"` | arrival time | — |
-# | `"priority"` | priority, aged by waiting time, tightened by deadlines | `priority`, `deadline` |
+# | `"priority"` | priority, aged by waiting time, tightened by deadlines | `priority` (per request), `deadline` |
 # | `"fair"` | round robin between tenants | `user` |
 # | `"mixed"` | reserved shares of the slots per class | `request_class` |
 #
@@ -724,18 +725,23 @@ show_source(PriorityPolicy.order, FairPolicy.order, MixedPolicy.order)
 
 # %% [markdown]
 # The workload: user **A** runs a batch job of six requests (48-token prompts, 4 to 12 new
-# tokens, `request_class="batch"`, `priority=1`); a moment later user **B** sends six
+# tokens, `request_class="batch"`, priority 1); a moment later user **B** sends six
 # interactive questions (12-token prompts, 3 new tokens each, `request_class="interactive"`,
-# `priority=0`). The engine has four slots. We serve it under each policy, with `mixed`
-# reserving 75% of the slots for interactive work, and measure each class's mean TTFT and
-# end-to-end latency, in steps (the same on every machine) and in seconds (not).
+# priority 0). As in vLLM, a priority belongs to the request, not to its sampling settings:
+# `generate(prompts, params, priority=[...])` and `chat` take one integer per prompt (lower
+# runs first), `LLMEngine.add_request` and `AsyncEngine.submit` a `priority=` integer for their
+# one request, and the policy reads it as `seq.priority`. The engine has four slots. We serve
+# the workload under each policy, with `mixed` reserving 75% of the slots for interactive work,
+# and measure each class's mean TTFT and end-to-end latency, in steps (the same on every
+# machine) and in seconds (not).
 
 # %%
 # NBVAL_CHECK_OUTPUT
 BATCH_TOKENS = [10, 8, 6, 12, 4, 8]
 work_prompts = [prompt(300 + i, 48) for i in range(6)] + [prompt(400 + i, 12) for i in range(6)]
-work_params = ([greedy(n, priority=1, user="A", request_class="batch") for n in BATCH_TOKENS]
-               + [greedy(3, priority=0, user="B", request_class="interactive")] * 6)
+work_params = ([greedy(n, user="A", request_class="batch") for n in BATCH_TOKENS]
+               + [greedy(3, user="B", request_class="interactive")] * 6)
+work_priority = [1] * 6 + [0] * 6
 CLASSES = {"batch": range(6), "interactive": range(6, 12)}
 POLICY_CHOICES = {
     "fcfs": lambda: "fcfs",
@@ -753,7 +759,7 @@ def serve(policy) -> dict:
     """Serve the mixed workload under `policy`; who was admitted when, latencies in steps."""
     engine_llm = make_llm(max_num_seqs=4, scheduler_policy=policy)
     engine_llm.engine.timeline = TimelineRecorder()
-    outs = engine_llm.generate(work_prompts, work_params, use_tqdm=False)
+    outs = engine_llm.generate(work_prompts, work_params, use_tqdm=False, priority=work_priority)
     steps = engine_llm.engine.stats.to_records()
     first_step = {}
     for r in engine_llm.engine.timeline.to_records():
@@ -838,7 +844,7 @@ plt.show()
 #
 # A policy is a function `order(seqs, now) -> list` (or an object with such a method), passed as
 # `scheduler_policy`. Each `Sequence` carries what a policy may need: `params` (the request's
-# `SamplingParams`, with `max_tokens`, `priority`, `deadline`, ...), `user`, `request_class`,
+# `SamplingParams`, with `max_tokens`, `deadline`, ...), `priority`, `user`, `request_class`,
 # `num_prompt_tokens`, `num_output_tokens`, `metrics.arrival_time`, and `status`.
 #
 # A classic of scheduling theory: with all jobs present at the start and identical parallel

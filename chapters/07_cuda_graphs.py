@@ -144,7 +144,7 @@ runner.model.compute_logits = in_phase(counter, "LM head + sampling", runner.mod
 runner.sampler.forward = in_phase(counter, "LM head + sampling", runner.sampler.forward)
 
 for i in range(8):  # 8 sequences: one prefill step, then decode steps
-    engine.add_request([i + 1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.add_request(None, [i + 1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_tokens=4, ignore_eos=True))
 engine.step()  # the prefill
 with counter:
     engine.step()  # one decode step of 8 sequences

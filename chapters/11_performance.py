@@ -546,13 +546,13 @@ for mode in (False, True):
                     num_kv_blocks=64)
     if mode:
         engine = small_llm.engine
-        rid = engine.add_request(prompts[0], greedy)
+        rid = engine.add_request(None, prompts[0], greedy)
         engine.step()
         print("after step 1, last 3 token ids:", engine.requests[rid].token_ids[-3:],
               f"(placeholder = {PLACEHOLDER})")
         engine.step()
         print("after step 2, last 3 token ids:", engine.requests[rid].token_ids[-3:])
-        engine.abort(rid)
+        engine.abort_request(rid)
     answers[mode] = [o.outputs[0].text or o.outputs[0].token_ids
                      for o in small_llm.generate(prompts, greedy, use_tqdm=False)]
 print(answers[True])

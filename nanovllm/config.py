@@ -141,10 +141,9 @@ class EngineConfig:
 
     def _check_backend(self) -> None:
         """Refuse, now rather than at the first step, what the chosen backend cannot run."""
-        backend = self.attention_backend
-        if backend == "auto":  # the rule of nanovllm.layers.attention.select_backend
-            on_cuda = self.device.startswith("cuda")
-            backend = "triton" if on_cuda and importlib.util.find_spec("triton") else "torch"
+        from nanovllm.layers.attention import resolve_backend_name  # (imports the layers)
+
+        backend = resolve_backend_name(self.attention_backend, torch.device(self.device).type)
         if backend == "flash_attn":
             raise ValueError("attention_backend='flash_attn' needs the flash-attn package")
         if backend != "triton":

@@ -164,6 +164,6 @@ def _as_params_list(
 def _as_priority_list(priority: list[int] | None, n: int) -> list[int]:
     if priority is None:
         return [0] * n
-    if not isinstance(priority, (list, tuple)) or len(priority) != n:
+    if isinstance(priority, (str, bytes)) or not hasattr(priority, "__len__") or len(priority) != n:
         raise ValueError(f"priority must be a list of one integer per prompt, got {priority!r}")
     return list(priority)

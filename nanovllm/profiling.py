@@ -69,7 +69,9 @@ def profile_decode_steps(
     engine = llm.engine
     work = make_workload("nano-vllm", num_requests)
     for prompt, n in zip(work.prompts, work.output_lens):
-        engine.add_request(prompt, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n))
+        engine.add_request(
+            None, prompt, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n)
+        )
     while engine.scheduler.waiting or any(
         s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running
     ):

@@ -341,3 +341,9 @@ def test_every_eos_id_of_generation_config_stops(tiny, tmp_path):
     [out] = make_llm(folder).generate(PROMPTS[6:7], params, use_tqdm=False)
     assert out.token_ids == free.token_ids[: free.token_ids.index(eos) + 1]
     assert (out.finish_reason, out.outputs[0].stop_reason) == ("stop", None)
+
+
+def test_priorities_may_be_numpy_integers(tiny):
+    llm = make_llm(tiny, scheduler_policy="priority")
+    outs = llm.generate(PROMPTS[:2], greedy(2), use_tqdm=False, priority=np.array([1, 0]))
+    assert [o.finish_reason for o in outs] == ["length", "length"]

@@ -232,12 +232,12 @@ class AsyncEngine:
     def _apply(self, command: tuple) -> None:
         if command[0] == "add":
             _, seq, stream = command
-            state = RequestState(seq, self.engine.tokenizer)
-            self._active[seq.request_id] = (stream, state)
-            try:
+            self._active[seq.request_id] = (stream, RequestState(seq, self.engine.tokenizer))
+            if seq.request_id in self.engine.requests:  # taken directly on the LLMEngine
+                error = f"request id {seq.request_id!r} is already in use"
+                self._publish([EngineCoreOutput(seq.request_id, [], "error", error=error)])
+            else:
                 self.engine.add_sequence(seq)
-            except ValueError as err:  # e.g. its id was taken directly on the LLMEngine
-                self._publish([EngineCoreOutput(seq.request_id, [], "error", error=str(err))])
         else:
             _, request_id, done, aborted = command
             outputs = self.engine.abort_request(request_id)

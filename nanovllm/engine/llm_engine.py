@@ -36,7 +36,7 @@ from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 from nanovllm.inputs import parse_prompt
 from nanovllm.models import ModelConfig, get_model_class
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SamplingParams, is_int
 from nanovllm.tokenizer import load_tokenizer
 
 MAX_DEFAULT_MODEL_LEN = 8192
@@ -100,7 +100,7 @@ class LLMEngine:
             raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
         if request_id is not None and not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
-        if not isinstance(priority, int) or isinstance(priority, bool):
+        if not is_int(priority):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         vocab = self.model_config.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
@@ -126,7 +126,7 @@ class LLMEngine:
                 f"a request of up to {longest} tokens exceeds max_num_batched_tokens "
                 f"({budget}) and chunked prefill is off; enable it or raise the budget"
             )
-        return Sequence(token_ids, params, request_id, text, priority)
+        return Sequence(token_ids, params, request_id, text, int(priority))
 
     def add_sequence(self, seq: Sequence) -> None:
         """Put a validated sequence into the scheduler's waiting queue. A generated request

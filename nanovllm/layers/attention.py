@@ -59,10 +59,16 @@ def _torch_backend() -> SimpleNamespace:
     )
 
 
+def resolve_backend_name(name: str, device_type: str) -> str:
+    """The backend "auto" stands for on a device type: Triton on CUDA where it is installed."""
+    if name != "auto":
+        return name
+    return "triton" if device_type == "cuda" and importlib.util.find_spec("triton") else "torch"
+
+
 def select_backend(name: str, device: torch.device) -> SimpleNamespace:
     """Resolve a backend name ("auto" included) to its functions, or explain why not."""
-    if name == "auto":
-        name = "triton" if device.type == "cuda" and importlib.util.find_spec("triton") else "torch"
+    name = resolve_backend_name(name, device.type)
     if name == "torch":
         return _torch_backend()
     if name == "triton":
