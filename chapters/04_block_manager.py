@@ -240,7 +240,8 @@ snapshot = {
     "new_slots": decode_step.meta.slot_mapping.tolist(),
     "free_cached": [b for b in bm.free_ids if bm.blocks[b].hash is not None],
 }
-engine.step()
+reports = engine.step()  # (which tokens come out depends on the device: not printed)
+print("the step reported on:", [(r.request_id, len(r.new_token_ids)) for r in reports])
 
 # %% [markdown]
 # `seq_lens_k` counts the keys each request attends over: its whole history including the new

@@ -56,4 +56,6 @@ def load_tokenizer(path: str) -> Tokenizer | None:
         return None
     from transformers import AutoTokenizer
 
-    return Tokenizer(AutoTokenizer.from_pretrained(path))
+    # No "clean-up" of spaces before punctuation: it corrupts byte-level BPE text, and
+    # transformers releases differ on whether they apply it (some warn on every decode).
+    return Tokenizer(AutoTokenizer.from_pretrained(path, clean_up_tokenization_spaces=False))

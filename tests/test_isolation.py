@@ -297,26 +297,38 @@ def test_bad_priorities_are_value_errors(tiny, priority):
     assert all_blocks_free(llm)
 
 
-# Greedy SmolLM2 answers that contain characters made of several byte-level tokens.
-UNICODE_CASES = [
-    ("Write the Chinese name of China in Chinese characters.", "美国)"),
-    ("Reply with three rocket emojis.", "🌟🌟🌟"),
-    ("Say hello in Japanese.", "どわ"),
+# Questions whose greedy SmolLM2 answers hold characters made of several byte-level tokens.
+UNICODE_QUESTIONS = [
+    "Write the Chinese name of China in Chinese characters.",
+    "Reply with three rocket emojis.",
+    "Say hello in Japanese.",
 ]
 
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_dir):
-    return {mode: LLM(smollm2_dir, max_model_len=256, async_scheduling=mode) for mode in MODES}
+    # (a fixed KV budget: on a GPU the default takes 90% of the memory, for one engine only)
+    return {
+        mode: LLM(smollm2_dir, max_model_len=256, async_scheduling=mode, num_kv_blocks=64)
+        for mode in MODES
+    }
+
+
+def non_ascii_stop(text: str) -> str:
+    """Two non-ASCII characters of ``text`` that do not start it: the stop string to find.
+    (Taken from the answer itself, since bf16 on a GPU may answer differently from fp32.)"""
+    i = next(i for i in range(1, len(text) - 1) if min(map(ord, text[i : i + 2])) > 127)
+    return text[i : i + 2]
 
 
 @pytest.mark.parametrize("async_scheduling", MODES)
-@pytest.mark.parametrize("question, stop", UNICODE_CASES, ids=[c[1] for c in UNICODE_CASES])
-def test_stop_strings_in_any_script(smollm2, async_scheduling, question, stop):
+@pytest.mark.parametrize("question", UNICODE_QUESTIONS)
+def test_stop_strings_in_any_script(smollm2, async_scheduling, question):
     llm = smollm2[async_scheduling]
     chat = [{"role": "user", "content": question}]
     [free] = llm.chat(chat, greedy(40), use_tqdm=False)
-    assert stop in free.text  # the model does print it
+    stop = non_ascii_stop(free.text)
+    assert len(llm.tokenizer.encode(stop)) > 2  # several tokens per character
     cut = free.text.index(stop)
     for include in (False, True):
         params = greedy(40, stop=[stop, "never printed"], include_stop_str_in_output=include)
