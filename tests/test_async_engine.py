@@ -12,11 +12,11 @@ import threading
 import time
 
 import pytest
+from test_isolation import PoisonablePolicy, run_in_threads
 from test_scheduler import make_llm, make_tiny_llama, one_torch_thread  # noqa: F401
 
 from nanovllm import SamplingParams
 from nanovllm.engine.async_engine import AsyncEngine, EngineError
-from nanovllm.engine.policies import FCFS
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
@@ -64,23 +64,14 @@ ASYNC_TOO = pytest.mark.parametrize(
 @ASYNC_TOO
 def test_eight_producers_two_hundred_requests(engine, reference):
     results: dict[int, tuple] = {}
-    errors = []
 
     def producer(k: int) -> None:
-        try:
-            streams = [(i, engine.submit(PROMPTS[i], GREEDY)) for i in range(k, 200, 8)]
-            for i, stream in streams:
-                chunks = list(stream) if k % 2 else []  # some consumers only want result()
-                results[i] = (chunks, stream.result(timeout=60))
-        except Exception as exc:  # noqa: BLE001 - reported below, in the main thread
-            errors.append(exc)
+        streams = [(i, engine.submit(PROMPTS[i], GREEDY)) for i in range(k, 200, 8)]
+        for i, stream in streams:
+            chunks = list(stream) if k % 2 else []  # some consumers only want result()
+            results[i] = (chunks, stream.result(timeout=60))
 
-    threads = [threading.Thread(target=producer, args=(k,)) for k in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors and len(results) == 200
+    assert run_in_threads(producer, 8) == [] and len(results) == 200
     for i, (chunks, out) in results.items():
         assert out.token_ids == reference[i].token_ids and out.finish_reason == "length"
         assert out.text == reference[i].text
@@ -235,15 +226,6 @@ def test_stop_strings_are_never_streamed(engine, reference):
     assert "".join(c.text for c in chunks) == out.text
 
 
-class PoisonablePolicy(FCFS):
-    """FCFS, except that it raises whenever a request of user "poison" is in the queue."""
-
-    def order(self, seqs, now):
-        if any(s.user == "poison" for s in seqs):
-            raise ZeroDivisionError("this policy cannot rank poison")
-        return super().order(seqs, now)
-
-
 @pytest.mark.parametrize(
     "engine",
     [{"scheduler_policy": PoisonablePolicy()},
@@ -306,20 +288,13 @@ def test_the_shared_tokenizer_is_safe_from_many_threads(engine):
     tokenizer = engine.engine.tokenizer
     texts = [p for p in PROMPTS if isinstance(p, str)][:40]
     expected = [(tokenizer.encode(t), tokenizer.decode(tokenizer.encode(t))) for t in texts]
-    results, errors = {}, []
+    results = {}
 
     def work(k):
-        try:
-            for _ in range(20):
-                for i in range(k, len(texts), 8):
-                    ids = tokenizer.encode(texts[i])
-                    results[i] = (ids, tokenizer.decode(ids))
-        except Exception as exc:  # noqa: BLE001 -- reported below
-            errors.append(exc)
+        for _ in range(20):
+            for i in range(k, len(texts), 8):
+                ids = tokenizer.encode(texts[i])
+                results[i] = (ids, tokenizer.decode(ids))
 
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors and [results[i] for i in range(len(texts))] == expected
+    assert run_in_threads(work, 8) == []
+    assert [results[i] for i in range(len(texts))] == expected

@@ -48,6 +48,24 @@ class PoisonablePolicy(FCFS):
         return super().order(seqs, now)
 
 
+def run_in_threads(work, n: int, timeout: float = 120) -> list[BaseException]:
+    """Run ``work(k)`` for k in range(n), each in its own thread; the errors they raised."""
+    errors = []
+
+    def guarded(k):
+        try:
+            work(k)
+        except BaseException as err:  # noqa: BLE001 -- returned to the test
+            errors.append(err)
+
+    threads = [threading.Thread(target=guarded, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    return errors
+
+
 def run_to_end(llm: LLM, reports: dict[str, list[EngineCoreOutput]], steps: int = 10_000) -> None:
     for _ in range(steps):
         if not llm.engine.has_unfinished_requests():
@@ -227,20 +245,12 @@ def test_generate_from_four_threads_takes_turns(tiny):
     llm = make_llm(tiny, num_kv_blocks=128)
     jobs = [PROMPTS[i::4] for i in range(4)]
     expected = [[o.token_ids for o in llm.generate(j, greedy(6), use_tqdm=False)] for j in jobs]
-    results, errors = [None] * 4, []
+    results = [None] * 4
 
     def work(i):
-        try:
-            results[i] = [o.token_ids for o in llm.generate(jobs[i], greedy(6), use_tqdm=False)]
-        except BaseException as err:  # noqa: BLE001 -- reported below
-            errors.append(err)
+        results[i] = [o.token_ids for o in llm.generate(jobs[i], greedy(6), use_tqdm=False)]
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not errors and results == expected
+    assert run_in_threads(work, 4) == [] and results == expected
     assert all_blocks_free(llm)
 
 

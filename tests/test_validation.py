@@ -19,6 +19,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_scheduler import one_torch_thread  # noqa: F401 -- autouse: one thread per module
 
 from nanovllm import LLM, EngineConfig, SamplingParams
 from nanovllm.engine.policies import FairPolicy, PriorityPolicy, get_policy
@@ -52,15 +53,6 @@ def write_config(folder: Path, config: dict | None = None, **changes) -> Path:
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
     return write_config(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny matmuls run much faster without threads fighting over 2 shared cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # -- SamplingParams ----------------------------------------------------------------------
