@@ -23,6 +23,7 @@ from nanovllm.sampling_params import SEED_RANGE, Rule, check_fields, is_bool, is
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 # The Triton attention launchers (decode_attention, prefill_attention) refuse smaller blocks.
 TRITON_MIN_BLOCK_SIZE = 16
 
@@ -62,6 +63,7 @@ _RULES: tuple[Rule, ...] = (
     ("num_kv_blocks", _optional(_positive_int), "None or an int >= 1"),
     ("kv_cache_memory", _optional(_positive_int), "None or a number of bytes >= 1"),
     ("tensor_parallel_size", is_int, "an int"),
+    ("logprobs_mode", *_one_of(LOGPROBS_MODES)),
     ("seed", lambda x: is_int(x) and SEED_RANGE[0] <= x <= SEED_RANGE[1],
      "an int in [-2**63, 2**64 - 1]"),
 )
@@ -97,6 +99,9 @@ class EngineConfig:
     scheduler_policy: Any = "fcfs"  # a policy name or a Policy object (chapter 06)
     tensor_parallel_size: int = 1
     seed: int = 0
+    # Which distribution SamplingParams.logprobs report (vLLM's names): the model's own
+    # ("raw_logprobs"), or the one sampled from, after penalties, bias, masks and temperature.
+    logprobs_mode: str = "raw_logprobs"
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:

@@ -60,21 +60,23 @@ class LLM:
         prompts = as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
         priorities = _as_priority_list(priority, len(prompts))
-        seqs = [
-            self.engine.make_sequence(p, sp, None, pr)
+        requests = [
+            self.engine.make_sequences(p, sp, None, pr)
             for p, sp, pr in zip(prompts, params, priorities)
         ]
         with self._turn:
-            states = self._run(seqs, use_tqdm)
+            states = self._run(requests, use_tqdm)
         return [state.output() for state in states]
 
-    def _run(self, seqs: list[Sequence], use_tqdm: bool) -> list[RequestState]:
+    def _run(self, requests: list[list[Sequence]], use_tqdm: bool) -> list[RequestState]:
         states: dict[str, RequestState] = {}
         try:
             with _ctrl_c_between_steps() as check_interrupt:
-                for seq in seqs:
-                    self.engine.add_sequence(seq)
-                    states[seq.request_id] = RequestState(seq, self.tokenizer)
+                for samples in requests:  # a request's samples (SamplingParams.n)
+                    for seq in samples:
+                        self.engine.add_sequence(seq)  # (may rename a generated id)
+                    state = RequestState(samples[0], self.tokenizer, len(samples))
+                    states[state.request_id] = state
                 unfinished = len(states)
                 bar = tqdm(total=unfinished, desc="Generating", disable=not use_tqdm, unit="req")
                 with bar:
@@ -85,12 +87,12 @@ class LLM:
                             if state is None:
                                 continue  # another caller's request: not ours to report
                             state.update(out)
-                            if out.finished:
+                            if out.finished and state.finished:
                                 unfinished -= 1
                                 bar.update(1)
                         check_interrupt()
         except BaseException:  # Ctrl-C included: leave nothing of this call in the engine
-            self.engine.abort_request(rid for rid, st in states.items() if not st.finished)
+            self.engine.abort_request(seq.parent_id for samples in requests for seq in samples)
             raise
         return list(states.values())
 

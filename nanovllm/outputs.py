@@ -63,7 +63,23 @@ def _since(start: float, end: float | None) -> float | None:
 
 
 @dataclass
+class Logprob:
+    """A token's log-probability, its rank among all tokens (1 = most likely) and its text,
+    as vLLM reports them (``SamplingParams.logprobs`` / ``prompt_logprobs``, chapter 01)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One position's logprobs: {token id: Logprob} for the chosen token and the top k.
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
 class CompletionOutput:
+    """One sample of a request (``SamplingParams.n`` of them), in vLLM's shape."""
+
     index: int
     text: str
     token_ids: list[int]
@@ -71,10 +87,19 @@ class CompletionOutput:
     finish_reason: str | None
     # with "stop": the stop string or stop token id that ended it (None for EOS), as in vLLM
     stop_reason: int | str | None = None
+    cumulative_logprob: float | None = None  # sum of the tokens' logprobs, with logprobs=k
+    logprobs: list[PositionLogprobs] | None = None  # one dict per token, with logprobs=k
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass
 class RequestOutput:
+    """A request's prompt and its samples. ``text``, ``token_ids`` and ``finish_reason``
+    are shortcuts for ``outputs[0]`` (most requests have one sample; the chapters use them)."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -83,6 +108,8 @@ class RequestOutput:
     metrics: RequestMetrics | None = field(default=None, repr=False)
     # Ours, not vLLM's: with finish_reason "error", what went wrong (the engine goes on).
     error: str | None = None
+    # with prompt_logprobs=k: None for the first prompt token, then one dict per token
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
     @property
     def text(self) -> str:

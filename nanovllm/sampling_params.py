@@ -24,6 +24,10 @@ SAMPLING_EPS = 1e-5
 _FP32_TINY = 2.0**-126
 # What torch.Generator.manual_seed accepts: any signed or unsigned 64-bit integer.
 SEED_RANGE = (-(2**63), 2**64 - 1)
+# At most this many logprobs per token (vLLM's default max_logprobs, OpenAI's top_logprobs).
+MAX_LOGPROBS = 20
+# A logit bias is clamped to this, as OpenAI and vLLM do: +-100 already forces or bans a token.
+MAX_LOGIT_BIAS = 100.0
 # top_k travels to the device as a float32 and then an int64; beyond this no vocabulary
 # reaches and the conversion could overflow.
 MAX_TOP_K = 2**31 - 1
@@ -84,7 +88,30 @@ def _stop_strings(x: object) -> bool:
     return isinstance(x, list) and all(isinstance(s, str) and s for s in x)
 
 
+def _optional_count(limit: int) -> Callable[[Any], bool]:
+    return lambda x: x is None or (is_int(x) and 0 <= x <= limit)
+
+
+def _penalty(x: object) -> bool:
+    return is_finite(x) and -2 <= x <= 2
+
+
+def _logit_bias(x: object) -> bool:
+    return x is None or (
+        isinstance(x, dict) and all(is_int(k) and k >= 0 and is_finite(v) for k, v in x.items())
+    )
+
+
+def _allowed(x: object) -> bool:
+    return x is None or (isinstance(x, list) and len(x) > 0 and _token_ids(x))
+
+
+def _bad_words(x: object) -> bool:
+    return x is None or _stop_strings(x)
+
+
 _RULES: tuple[Rule, ...] = (
+    ("n", lambda x: is_int(x) and x >= 1, "an int >= 1"),
     ("temperature", lambda x: is_finite(x) and x >= 0, "a finite number >= 0 (0 = greedy)"),
     ("top_k", lambda x: is_int(x) and (x == -1 or 1 <= x <= MAX_TOP_K),
      f"-1 (off) or an int in [1, {MAX_TOP_K}]"),
@@ -98,6 +125,15 @@ _RULES: tuple[Rule, ...] = (
     ("stop", _stop_strings, "a non-empty string or a list of them"),
     ("include_stop_str_in_output", is_bool, "a bool"),
     ("skip_special_tokens", is_bool, "a bool"),
+    ("min_tokens", is_int, "an int"),  # its range depends on max_tokens: checked below
+    ("logprobs", _optional_count(MAX_LOGPROBS), f"None or an int in [0, {MAX_LOGPROBS}]"),
+    ("prompt_logprobs", _optional_count(MAX_LOGPROBS), f"None or an int in [0, {MAX_LOGPROBS}]"),
+    ("presence_penalty", _penalty, "a number in [-2, 2] (0 = off)"),
+    ("frequency_penalty", _penalty, "a number in [-2, 2] (0 = off)"),
+    ("repetition_penalty", lambda x: is_finite(x) and x > 0, "a number > 0 (1 = off)"),
+    ("logit_bias", _logit_bias, "None or a dict {token id: finite number}"),
+    ("allowed_token_ids", _allowed, "None or a non-empty list of token ids"),
+    ("bad_words", _bad_words, "None or a list of non-empty strings"),
     ("deadline", _seconds, "None or seconds > 0 (inf allowed)"),
     ("user", is_optional_str, "None or a string"),
     ("request_class", is_optional_str, "None or a string"),
@@ -136,6 +172,16 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    n: int = 1  # samples of the prompt, each its own CompletionOutput
+    min_tokens: int = 0  # no EOS or stop token id before this many tokens
+    logprobs: int | None = None  # per generated token: its logprob, rank and the top k
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     deadline: float | None = None  # latency target, seconds after arrival (chapter 06)
     user: str | None = None  # tenant, for scheduler_policy="fair"
     request_class: str | None = None  # e.g. "interactive" / "batch", for "mixed"
@@ -150,7 +196,22 @@ class SamplingParams:
             self.stop_token_ids = [self.stop_token_ids]
         elif isinstance(self.stop_token_ids, tuple | list):
             self.stop_token_ids = list(self.stop_token_ids)
+        for name in ("allowed_token_ids", "bad_words"):  # copies, as for stop above
+            if isinstance(getattr(self, name), tuple | list):
+                setattr(self, name, list(getattr(self, name)))
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = dict(self.logit_bias)
         check_fields(self, _RULES)
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"SamplingParams.min_tokens must be in [0, max_tokens={self.max_tokens}], "
+                f"got {self.min_tokens!r}"
+            )
+        if self.logit_bias:
+            clamp = lambda v: min(max(float(v), -MAX_LOGIT_BIAS), MAX_LOGIT_BIAS)  # noqa: E731
+            self.logit_bias = {int(k): clamp(v) for k, v in self.logit_bias.items()}
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
         self.temperature = 0.0 if self.temperature < SAMPLING_EPS else float(self.temperature)
         self.top_p = max(float(self.top_p), _FP32_TINY)

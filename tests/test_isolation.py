@@ -93,14 +93,14 @@ def test_fault_injection_mixed_workload(tiny, async_scheduling, monkeypatch):
         scheduler_policy=PoisonablePolicy(), max_num_batched_tokens=64,
     )
     runner = llm.engine.runner
-    real_sampling_tensors = runner.sampling_tensors
+    real_sampling_tensors = runner.sampling_inputs.build
 
-    def sampling_tensors(seqs):
+    def sampling_tensors(seqs, in_flight):
         if any(s.user == "bomb" for s in seqs):
             raise RuntimeError("sampling settings exploded")
-        return real_sampling_tensors(seqs)
+        return real_sampling_tensors(seqs, in_flight)
 
-    monkeypatch.setattr(runner, "sampling_tensors", sampling_tensors)
+    monkeypatch.setattr(runner.sampling_inputs, "build", sampling_tensors)
     engine, reports, bad = llm.engine, {}, []
     items = list(good.items())
     for k, (rid, (prompt, params)) in enumerate(items):
@@ -234,11 +234,12 @@ def test_ctrl_c_is_held_until_the_step_ends(tiny, monkeypatch):
         return out
 
     monkeypatch.setattr(llm.engine, "step", step)
+    before = signal.getsignal(signal.SIGINT)  # (SIG_IGN where the shell started us in the back)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(PROMPTS, greedy(9), use_tqdm=False)
     assert len(finished_steps) == 3  # the interrupted step ran to its end
     assert all_blocks_free(llm)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    assert signal.getsignal(signal.SIGINT) is before  # restored
 
 
 def test_generate_from_four_threads_takes_turns(tiny):
@@ -275,14 +276,14 @@ def test_a_failed_request_takes_no_shared_block_down(tiny, async_scheduling, mon
     llm = make_llm(tiny, async_scheduling=async_scheduling)
     [expected] = llm.generate([prompt], greedy(5), use_tqdm=False)
     llm = make_llm(tiny, async_scheduling=async_scheduling)
-    real_sampling_tensors = llm.engine.runner.sampling_tensors
+    real_sampling_tensors = llm.engine.runner.sampling_inputs.build
 
-    def sampling_tensors(seqs):
+    def sampling_tensors(seqs, in_flight):
         if any(s.user == "bomb" for s in seqs):
             raise RuntimeError("sampling settings exploded")
-        return real_sampling_tensors(seqs)
+        return real_sampling_tensors(seqs, in_flight)
 
-    monkeypatch.setattr(llm.engine.runner, "sampling_tensors", sampling_tensors)
+    monkeypatch.setattr(llm.engine.runner.sampling_inputs, "build", sampling_tensors)
     engine, reports = llm.engine, {}
     engine.add_request("bomb", prompt, greedy(5, user="bomb"))
     engine.add_request("good", prompt, greedy(5))

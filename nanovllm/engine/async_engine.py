@@ -112,6 +112,8 @@ class AsyncEngine:
 
     def _submit(self, prompt, params, request_id, priority, sink) -> RequestStream:
         params = SamplingParams() if params is None else params
+        if isinstance(params, SamplingParams) and params.n != 1:
+            raise ValueError("AsyncEngine streams one sample per request: n must be 1 here")
         seq: Sequence = self.engine.make_sequence(prompt, params, request_id, priority)
         with self._lock:
             if self._refusal is not None:
@@ -119,7 +121,7 @@ class AsyncEngine:
             if seq.request_id in self._streams:
                 if seq.has_user_request_id:
                     raise ValueError(f"request id {seq.request_id!r} is already in use")
-                seq.request_id = seq.fresh_request_id(self._streams)
+                seq.rename(self._streams)
             stream = RequestStream(seq.request_id, self.engine.tokenizer, params)
             if sink is not None:
                 stream.sink = sink

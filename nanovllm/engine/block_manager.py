@@ -82,8 +82,8 @@ class BlockManager:
         At most ``num_tokens - 1`` tokens may come from the cache: the last token must be
         computed to produce the logits of the next one.
         """
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return []  # (prompt logprobs need every prompt position computed)
         found, parent = [], None
         for i in range((seq.num_tokens - 1) // self.block_size):
             tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]

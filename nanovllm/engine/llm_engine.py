@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 
 from nanovllm.config import EngineConfig
 from nanovllm.detokenizer import IncrementalDetokenizer
@@ -62,6 +63,7 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.runner = ModelRunner(config, self.model_config)
+        self.runner.sampling_inputs.eos_token_ids = self.eos_token_ids  # for min_tokens
         self.block_manager = BlockManager(
             self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -102,9 +104,7 @@ class LLMEngine:
             raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
         if not is_int(priority):
             raise ValueError(f"priority must be an integer, got {priority!r}")
-        vocab = self.model_config.vocab_size
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be below the vocabulary size {vocab}")
+        bad_word_ids = self._check_token_settings(params)
         text, token_ids = self.tokenize(prompt)
         limit = self.config.max_model_len
         if len(token_ids) >= limit:
@@ -126,7 +126,61 @@ class LLMEngine:
                 f"a request of up to {longest} tokens exceeds max_num_batched_tokens "
                 f"({budget}) and chunked prefill is off; enable it or raise the budget"
             )
-        return Sequence(token_ids, params, request_id, text, int(priority))
+        seq = Sequence(token_ids, params, request_id, text, int(priority))
+        seq.bad_word_ids = bad_word_ids
+        return seq
+
+    def _check_token_settings(self, params: SamplingParams) -> list[list[int]]:
+        """Check the token ids ``params`` name against this model; return its bad words as
+        token ids (each word, and the word after a space: vLLM's two spellings)."""
+        vocab = self.model_config.vocab_size
+        named = [*params.stop_token_ids, *(params.logit_bias or ())]
+        named += params.allowed_token_ids or ()
+        if any(t >= vocab for t in named):
+            raise ValueError(
+                f"stop_token_ids, logit_bias and allowed_token_ids must name token ids below "
+                f"the vocabulary size {vocab}"
+            )
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words needs a tokenizer; this model folder has none")
+        words = [
+            self.tokenizer.encode(spelling, add_special_tokens=False)
+            for word in params.bad_words or ()
+            for spelling in dict.fromkeys((word, " " + word.lstrip()))
+        ]
+        if params.allowed_token_ids:
+            banned = {w[0] for w in words if len(w) == 1}
+            if params.min_tokens:
+                banned |= set(params.stop_token_ids)
+                banned |= set() if params.ignore_eos else self.eos_token_ids
+            if set(params.allowed_token_ids) <= banned:
+                raise ValueError("every allowed_token_id is banned (bad_words or min_tokens)")
+        return [w for w in words if w]
+
+    def make_sequences(
+        self,
+        prompt: object,
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> list[Sequence]:
+        """Validate one request and make a sequence for each of its ``params.n`` samples
+        (vLLM's parallel sampling). Sample i has id ``f"{i}_{request_id}"`` and, with a
+        seed, seed + i; only sample 0 computes prompt logprobs. Admitted together, the
+        samples share the prompt's KV blocks through the prefix cache: computed once."""
+        first = self.make_sequence(prompt, params, request_id, priority)
+        if params.n == 1:
+            return [first]
+        samples = []
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            prompt_logprobs = params.prompt_logprobs if i == 0 else None
+            child = replace(params, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
+            seq = Sequence(first.token_ids, child, f"{i}_{first.request_id}", first.prompt,
+                           first.priority)
+            seq.parent_id, seq.index = first.request_id, i
+            samples.append(seq)
+        return samples
 
     def add_sequence(self, seq: Sequence) -> None:
         """Put a validated sequence into the scheduler's waiting queue. A generated request
@@ -134,7 +188,7 @@ class LLMEngine:
         if seq.request_id in self.requests:
             if seq.has_user_request_id:
                 raise ValueError(f"request id {seq.request_id!r} is already in use")
-            seq.request_id = seq.fresh_request_id(self.requests)
+            seq.rename(self.requests)
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
 
@@ -146,16 +200,18 @@ class LLMEngine:
         priority: int = 0,
     ) -> str:
         """Validate and queue one request (vLLM's signature); returns its id, generated
-        when ``request_id`` is None."""
-        seq = self.make_sequence(prompt, params, request_id, priority)
-        self.add_sequence(seq)
-        return seq.request_id
+        when ``request_id`` is None. Its reports carry that id (and the sample's index)."""
+        seqs = self.make_sequences(prompt, params, request_id, priority)
+        for seq in seqs:
+            self.add_sequence(seq)
+        return seqs[0].parent_id
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[EngineCoreOutput]:
         """Finish requests with reason "abort", freeing their KV blocks now; returns the
         final report of each one that was still unfinished (unknown ids are ignored)."""
-        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        return [self._finish(self.requests[r], "abort") for r in ids if r in self.requests]
+        ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
+        doomed = [s for s in self.requests.values() if s.parent_id in ids]  # all n samples
+        return [self._finish(s, "abort") for s in doomed]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -222,14 +278,37 @@ class LLMEngine:
         """Write a step's sampled tokens into their sequences and finish those that stop."""
         tokens = self.runner.collect(in_flight)
         now = time.perf_counter()
-        outputs = []
-        for seq, token in zip(batch.seqs, tokens):
+        outputs = self._prompt_logprobs(in_flight)
+        for seq, token, row in zip(batch.seqs, tokens, in_flight.logit_rows):
             if seq.is_finished or token is None:
                 continue  # ended while this step ran (its token is dropped), or mid-prompt
             try:
                 outputs.append(self._apply_token(seq, token, now))
+                if seq.params.logprobs is not None:
+                    outputs[-1].new_logprobs = [in_flight.token_logprobs(row, token)]
             except Exception as err:  # e.g. its stop check: this request's problem alone
                 outputs.append(self._finish(seq, "error", error=_describe(err)))
+        return outputs
+
+    def _prompt_logprobs(self, in_flight: InFlight) -> list[EngineCoreOutput]:
+        """Reports of the prompt logprobs this step computed, each position once (a
+        preempted request computes its prompt again)."""
+        outputs = []
+        for seq, first, (logprob, rank, top_ids, top_logprobs) in in_flight.prompt_logprobs:
+            entries = []
+            for i, position in enumerate(range(first, first + len(logprob))):
+                if seq.is_finished or position + 1 < seq.num_prompt_logprobs_sent:
+                    continue
+                token = seq.token_ids[position + 1]
+                entries.append(
+                    (token, logprob[i].item(), rank[i].item(), top_ids[i].tolist(),
+                     top_logprobs[i].tolist())
+                )
+                seq.num_prompt_logprobs_sent = position + 2
+            if entries:
+                out = EngineCoreOutput(seq.parent_id, [], index=seq.index)
+                out.new_prompt_logprobs = entries
+                outputs.append(out)
         return outputs
 
     def _apply_token(self, seq: Sequence, token: int, now: float) -> EngineCoreOutput:
@@ -247,7 +326,7 @@ class LLMEngine:
         metrics.num_output_tokens += 1
         stop = self._check_stop(seq, token, length)
         if stop is None:
-            return EngineCoreOutput(seq.request_id, [token])
+            return EngineCoreOutput(seq.parent_id, [token], index=seq.index)
         del seq.token_ids[length:]
         return self._finish(seq, *stop, new_token_ids=[token])
 
@@ -255,6 +334,8 @@ class LLMEngine:
         """``(finish_reason, stop_reason)`` if ``seq`` ends at ``token``, its ``length``-th
         token; else None. EOS and stop tokens first, then stop strings, then length."""
         params = seq.params
+        if length - seq.num_prompt_tokens < params.min_tokens:
+            return None  # (EOS and stop ids were banned from sampling meanwhile)
         if not params.ignore_eos and token in self.eos_token_ids:
             return "stop", None
         if token in params.stop_token_ids:
@@ -291,7 +372,9 @@ class LLMEngine:
         self.requests.pop(seq.request_id, None)
         while seq.token_ids[-1] == PLACEHOLDER:  # an in-flight token is dropped
             seq.token_ids.pop()
-        return EngineCoreOutput(seq.request_id, list(new_token_ids), reason, stop_reason, error)
+        return EngineCoreOutput(
+            seq.parent_id, list(new_token_ids), reason, stop_reason, error, index=seq.index
+        )
 
     def _record_step(self, batch: ScheduledBatch, decodes: list[bool], start: float) -> None:
         num_decodes, end = sum(decodes), time.perf_counter()

@@ -10,7 +10,7 @@ tokens. Between the two the engine may plan the next step (async scheduling, cha
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -18,15 +18,24 @@ import torch
 from nanovllm.config import EngineConfig
 from nanovllm.context import AttentionMetadata, attention_metadata
 from nanovllm.engine.cuda_graphs import DecodeGraphs
+from nanovllm.engine.sampling_metadata import SamplingInputs
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 from nanovllm.layers.attention import Attention, select_backend
 from nanovllm.layers.fused import set_fused_kernels
-from nanovllm.layers.sampler import Sampler, SamplingTensors
+from nanovllm.layers.logits_processors import process_logits
+from nanovllm.layers.sampler import Sampler, compute_logprobs
 from nanovllm.models import ModelConfig, get_model_class
 from nanovllm.weights.loader import load_dummy, load_safetensors
 
 CPU_KV_CACHE_BYTES = 1 << 30
+PROMPT_LOGPROB_ROWS = 512  # prompt positions scored at once: bounds the [rows, vocab] logits
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of device tensor ``t`` in page-locked host memory, queued, not waited for."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
 
 
 @dataclass
@@ -37,6 +46,8 @@ class PreparedBatch:
     sample_indices: torch.Tensor  # rows of the hidden states whose logits are sampled
     sample_seqs: list[Sequence]  # the sequences those rows belong to, in the same order
     logit_rows: list[int]  # per sequence in batch order: its sample row, or -1 mid-prompt
+    # with prompt_logprobs: (sequence, its first row, the prompt positions there, k)
+    prompt_logprobs: list[tuple[Sequence, int, list[int], int]] = field(default_factory=list)
 
 
 @dataclass
@@ -44,8 +55,20 @@ class InFlight:
     """A launched step whose sampled tokens may still be on their way to the host."""
 
     tokens: torch.Tensor | None  # [num sampled] on the host (pinned on a GPU); None: none
-    done: torch.cuda.Event | None  # recorded after the copy to the host (GPU only)
+    done: torch.cuda.Event | None  # recorded after the copies to the host (GPU only)
     logit_rows: list[int]  # as in PreparedBatch
+    # with logprobs: compute_logprobs' four tensors for the sampled rows (else empty)
+    logprobs: list[torch.Tensor] = field(default_factory=list)
+    # with prompt_logprobs: (sequence, first prompt position, compute_logprobs' tensors)
+    prompt_logprobs: list[tuple] = field(default_factory=list)
+
+    def token_logprobs(self, row: int, token: int) -> tuple | None:
+        """``(token, logprob, rank, top ids, top logprobs)`` of sampled row ``row``."""
+        if not self.logprobs:
+            return None
+        logprob, rank, top_ids, top_logprobs = self.logprobs
+        return token, logprob[row].item(), rank[row].item(), top_ids[row].tolist(), \
+            top_logprobs[row].tolist()
 
 
 class ModelRunner:
@@ -66,7 +89,7 @@ class ModelRunner:
         self.num_kv_blocks = self._kv_budget_in_blocks()
         self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
         self.sampler = Sampler(config.seed, self.device)
-        self._generators: dict[int, torch.Generator] = {}
+        self.sampling_inputs = SamplingInputs(model_config.vocab_size, self.device, self._to_device)
         self._in_flight_tokens = torch.empty(0, dtype=torch.int64, device=self.device)
         self._in_flight_rows: dict[int, int] = {}  # seq_id -> row of _in_flight_tokens
         self.graphs = None
@@ -160,6 +183,7 @@ class ModelRunner:
         input_ids, positions, slots, cu_q, lens_k, tables = [], [], [], [0], [], []
         logit_rows, sample_from, sample_seqs = [-1] * len(batch), [], []
         patch_at, patch_from = [], []  # placeholder tokens: where, and which sampled row
+        prompt_logprobs = []
         bs = self.block_size
         for i in order:
             seq, n = batch.seqs[i], batch.num_new_tokens[i]
@@ -170,6 +194,9 @@ class ModelRunner:
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
             slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
+            if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
+                scored = list(range(start, min(end, seq.num_prompt_tokens - 1)))
+                prompt_logprobs.append((seq, cu_q[-1], scored, seq.params.prompt_logprobs))
             cu_q.append(cu_q[-1] + n)
             lens_k.append(end)
             tables.append(seq.block_table)
@@ -211,6 +238,7 @@ class ModelRunner:
             longs[3 * n_tok : 3 * n_tok + n_sample],
             sample_seqs,
             logit_rows,
+            prompt_logprobs,
         )
 
     def _to_device(self, values: list | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
@@ -226,41 +254,9 @@ class ModelRunner:
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
 
-    def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
-        vocab = self.model_config.vocab_size
-        params = [s.params for s in seqs]
-        all_greedy = all(p.temperature == 0 for p in params)
-        any_filter = any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params)
-        columns = [[p.temperature for p in params]]
-        if any_filter:  # most steps need no filter tensors: skip building them
-            columns += [
-                [p.top_k if p.top_k > 0 else vocab for p in params],
-                [p.top_p for p in params],
-                [p.min_p for p in params],
-            ]
-        table = self._to_device(columns, torch.float32)
-        top_k = table[1].long() if any_filter else None
-        return SamplingTensors(
-            temperatures=table[0],
-            top_k=top_k,
-            top_p=table[2] if any_filter else None,
-            min_p=table[3] if any_filter else None,
-            generators=[self._generator(s) for s in seqs],
-            all_greedy=all_greedy,
-            any_filter=any_filter,
-        )
-
-    def _generator(self, seq: Sequence) -> torch.Generator | None:
-        if seq.params.seed is None:
-            return None
-        if seq.seq_id not in self._generators:
-            gen = torch.Generator(device=self.device).manual_seed(seq.params.seed)
-            self._generators[seq.seq_id] = gen
-        return self._generators[seq.seq_id]
-
     def release(self, seq: Sequence) -> None:
         """Forget per-sequence state once a sequence has finished."""
-        self._generators.pop(seq.seq_id, None)
+        self.sampling_inputs.release(seq)
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch) -> InFlight:
@@ -270,7 +266,7 @@ class ModelRunner:
         prepared before anything runs on the device, so an error there changes nothing and
         ``request_errors`` can tell whose it is."""
         step = self.prepare(batch)
-        sampling = self.sampling_tensors(step.sample_seqs) if step.sample_seqs else None
+        sampling = self._sampling_inputs(step.sample_seqs) if step.sample_seqs else None
         if (
             self.graphs is not None
             and step.meta.num_decodes == len(batch)
@@ -280,20 +276,63 @@ class ModelRunner:
         else:
             with attention_metadata(step.meta):
                 hidden = self.model(step.input_ids, step.positions)
+        results = [self._prompt_logprobs(hidden, *entry) for entry in step.prompt_logprobs]
         if not step.sample_seqs:
-            return InFlight(None, None, step.logit_rows)
-        logits = self.model.compute_logits(hidden[step.sample_indices])
-        tokens = self.sampler(logits, sampling)
+            return self._to_host(InFlight(None, None, step.logit_rows), [], results)
+        logits = self.model.compute_logits(hidden[step.sample_indices]).float()
+        tokens, logprobs = self._sample(logits, step.sample_seqs, *sampling)
         # Kept on the device: the next step reads its placeholder tokens from here.
         self._in_flight_tokens = tokens
         self._in_flight_rows = {seq.seq_id: row for row, seq in enumerate(step.sample_seqs)}
-        if self.device.type != "cuda":
-            return InFlight(tokens, None, step.logit_rows)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return InFlight(host, done, step.logit_rows)
+        return self._to_host(InFlight(tokens, None, step.logit_rows), logprobs, results)
+
+    def _sampling_inputs(self, seqs: list[Sequence]) -> tuple:
+        return self.sampling_inputs.build(seqs, (self._in_flight_tokens, self._in_flight_rows))
+
+    def _sample(self, logits, seqs, sampling, processing) -> tuple[torch.Tensor, list]:
+        """Tokens for the sampled rows, and their logprobs where a request asked for them:
+        from the raw distribution (vLLM's default) or, with ``logprobs_mode=
+        "processed_logprobs"``, after penalties, bias, masks and temperature."""
+        k = max((s.params.logprobs for s in seqs if s.params.logprobs is not None), default=None)
+        raw = logits.clone() if k is not None and processing is not None else logits
+        if processing is not None:
+            logits = process_logits(logits, processing)  # in place
+        tokens = self.sampler(logits, sampling)
+        if k is None:
+            return tokens, []
+        source = raw
+        if self.config.logprobs_mode == "processed_logprobs":
+            temps = sampling.temperatures
+            source = logits / torch.where(temps > 0, temps, 1.0)[:, None]
+        return tokens, list(compute_logprobs(source.log_softmax(dim=-1), tokens, k))
+
+    def _prompt_logprobs(self, hidden, seq, first_row, positions, k) -> tuple:
+        """Logprobs of the prompt tokens after ``positions`` (the rows from ``first_row``):
+        the raw distribution there, scored against the prompt's next token."""
+        rows = slice(first_row, first_row + len(positions))
+        targets = torch.as_tensor([seq.token_ids[p + 1] for p in positions], device=self.device)
+        pieces = []
+        for start in range(0, len(positions), PROMPT_LOGPROB_ROWS):  # bounded memory
+            part = slice(start, start + PROMPT_LOGPROB_ROWS)
+            logits = self.model.compute_logits(hidden[rows][part]).float()
+            pieces.append(compute_logprobs(logits.log_softmax(dim=-1), targets[part], k))
+        return seq, positions[0], [torch.cat(column) for column in zip(*pieces)]
+
+    def _to_host(self, step: InFlight, logprobs: list, prompt: list) -> InFlight:
+        """Queue the copies of the step's results to the host, and an event after them."""
+        tensors = ([step.tokens] if step.tokens is not None else []) + logprobs
+        tensors += [t for _, _, columns in prompt for t in columns]
+        if self.device.type == "cuda":
+            tensors = [_pinned_copy(t) for t in tensors]
+            step.done = torch.cuda.Event()
+            step.done.record()
+        if step.tokens is not None:
+            step.tokens, tensors = tensors[0], tensors[1:]
+        step.logprobs, tensors = tensors[: len(logprobs)], tensors[len(logprobs) :]
+        for seq, position, _ in prompt:
+            step.prompt_logprobs.append((seq, position, tensors[:4]))
+            tensors = tensors[4:]
+        return step
 
     def request_errors(self, batch: ScheduledBatch) -> list[tuple[Sequence, Exception]]:
         """After ``launch(batch)`` raised: the sequences whose own preparation fails when
@@ -303,7 +342,7 @@ class ModelRunner:
             try:
                 step = self.prepare(ScheduledBatch([seq], [n]))
                 if step.sample_seqs:
-                    self.sampling_tensors(step.sample_seqs)
+                    self._sampling_inputs(step.sample_seqs)
             except Exception as err:
                 failed.append((seq, err))
         return failed

@@ -15,7 +15,10 @@ from dataclasses import dataclass
 
 from nanovllm.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.sequence import Sequence
-from nanovllm.outputs import CompletionOutput, RequestOutput
+from nanovllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+
+# (token id, its logprob, its rank, the top k token ids, their logprobs): one position
+TokenLogprobs = tuple[int, float, int, list[int], list[float]]
 
 
 @dataclass
@@ -27,54 +30,96 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop", "length", "abort", "error"; None: running
     stop_reason: int | str | None = None  # the stop token id or stop string, with "stop"
     error: str | None = None  # with "error": what went wrong
+    index: int = 0  # which of the request's SamplingParams.n samples
+    # with SamplingParams.logprobs / prompt_logprobs: one entry per new (prompt) token
+    new_logprobs: list[TokenLogprobs] | None = None
+    new_prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
 
-class RequestState:
-    """A consumer's view of one request: its tokens so far and, once finished, its output."""
+class _Sample:
+    """What a consumer has heard so far of one of a request's samples."""
 
-    def __init__(self, seq: Sequence, tokenizer) -> None:
-        self.request_id = seq.request_id
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprobs] = []
+        self.last: EngineCoreOutput | None = None  # the latest report
+
+
+class RequestState:
+    """A consumer's view of one request: the tokens of its ``n`` samples so far and, once
+    all have finished, its ``RequestOutput``. ``seq`` is the request's (first) sequence."""
+
+    def __init__(self, seq: Sequence, tokenizer, n: int = 1) -> None:
+        self.request_id = seq.parent_id
         self.prompt = seq.prompt
         self.prompt_token_ids = seq.token_ids[: seq.num_prompt_tokens]
         self.params = seq.params
         self.metrics = seq.metrics  # filled in by the engine as the request runs
         self.tokenizer = tokenizer
-        self.token_ids: list[int] = []
-        self.last: EngineCoreOutput | None = None  # the latest report
+        self.samples = [_Sample() for _ in range(n)]
+        self.prompt_logprobs: list[TokenLogprobs | None] = [None]  # none for the first token
 
     @property
     def finished(self) -> bool:
-        return self.last is not None and self.last.finished
+        return all(s.last is not None and s.last.finished for s in self.samples)
 
     def update(self, out: EngineCoreOutput) -> None:
-        self.token_ids += out.new_token_ids
-        self.last = out
+        sample = self.samples[out.index]
+        sample.token_ids += out.new_token_ids
+        sample.logprobs += out.new_logprobs or ()
+        self.prompt_logprobs += out.new_prompt_logprobs or ()
+        sample.last = out
 
     def output(self) -> RequestOutput:
-        """The ``RequestOutput`` so far (complete once ``finished``). Its text comes from
-        the same detokenizer, settings and stop strings as the engine's stop check, so it
-        is cut where the engine stopped."""
-        params, last = self.params, self.last
-        detokenizer = IncrementalDetokenizer(
-            self.tokenizer, params.stop, params.include_stop_str_in_output,
-            params.skip_special_tokens,
-        )
-        detokenizer.push(self.token_ids)
-        finish_reason = last.finish_reason if last else None
-        stop_reason = last.stop_reason if last else None
-        completion = CompletionOutput(
-            0, detokenizer.text, list(self.token_ids), finish_reason, stop_reason
-        )
+        """The ``RequestOutput`` so far (complete once ``finished``). Texts come from the same
+        detokenizer, settings and stop strings as the engine's stop check, so each is cut
+        where the engine stopped."""
+        errors = [s.last.error for s in self.samples if s.last is not None and s.last.error]
+        with_prompt_logprobs = self.params.prompt_logprobs is not None
         return RequestOutput(
             self.request_id,
             self.prompt,
             self.prompt_token_ids,
-            [completion],
+            [self._completion(i, s) for i, s in enumerate(self.samples)],
             self.finished,
             self.metrics,
-            last.error if last else None,
+            errors[0] if errors else None,
+            [self._logprobs(p) for p in self.prompt_logprobs] if with_prompt_logprobs else None,
         )
+
+    def _completion(self, index: int, sample: _Sample) -> CompletionOutput:
+        params, last = self.params, sample.last
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer, params.stop, params.include_stop_str_in_output,
+            params.skip_special_tokens,
+        )
+        detokenizer.push(sample.token_ids)
+        with_logprobs = params.logprobs is not None
+        return CompletionOutput(
+            index,
+            detokenizer.text,
+            list(sample.token_ids),
+            last.finish_reason if last else None,
+            last.stop_reason if last else None,
+            sum(lp[1] for lp in sample.logprobs) if with_logprobs else None,
+            [self._logprobs(lp) for lp in sample.logprobs] if with_logprobs else None,
+        )
+
+    def _logprobs(self, entry: TokenLogprobs | None) -> PositionLogprobs | None:
+        """``{token id: Logprob}`` for the chosen token and the top k, with their texts."""
+        if entry is None:
+            return None
+        token, logprob, rank, top_ids, top_logprobs = entry
+        ids = [token, *top_ids]
+        logprobs = [logprob, *top_logprobs]
+        ranks = [rank, *range(1, len(top_ids) + 1)]
+        return {
+            t: Logprob(lp, r, self._decode(t)) for t, lp, r in zip(ids, logprobs, ranks)
+        }
+
+    def _decode(self, token: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token])

@@ -45,6 +45,8 @@ class Sequence:
         self.seq_id = next(Sequence._ids)
         self.has_user_request_id = request_id is not None
         self.request_id = request_id if request_id is not None else str(self.seq_id)
+        # The request this sequence is sample `index` of (SamplingParams.n; itself when n = 1)
+        self.parent_id, self.index = self.request_id, 0
         self.prompt = prompt
         self.priority = priority  # lower = more important, as in vLLM (chapter 06)
         self.token_ids = list(token_ids)
@@ -57,6 +59,8 @@ class Sequence:
         # Output tokens whose values have reached the host; with async scheduling the newest
         # one may still be a PLACEHOLDER after them (chapter 11).
         self.num_delivered_tokens = 0
+        self.num_prompt_logprobs_sent = 1  # prompt positions reported (none for the first)
+        self.bad_word_ids: list[list[int]] = []  # SamplingParams.bad_words, tokenized
         self.finish_reason: str | None = None
         # Text so far, kept only for requests with stop strings (the engine's stop check).
         self.detokenizer: IncrementalDetokenizer | None = None
@@ -64,10 +68,13 @@ class Sequence:
         self.request_class = params.request_class  # for the "mixed" policy
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
 
-    def fresh_request_id(self, taken: Container[str]) -> str:
-        """A generated request id that is not in ``taken`` (a user may have chosen ours)."""
+    def rename(self, taken: Container[str]) -> None:
+        """Take a generated request id that is not in ``taken`` (a user may have chosen ours)."""
         candidates = (f"{self.seq_id}-{k}" for k in itertools.count(1))
-        return next(c for c in candidates if c not in taken)
+        fresh = next(c for c in candidates if c not in taken)
+        if self.parent_id == self.request_id:
+            self.parent_id = fresh
+        self.request_id = fresh
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -74,3 +74,20 @@ class Sampler(nn.Module):
         noise = exponential_noise(probs.shape, params.generators, probs.device, self.generator)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(temps > 0, sampled, greedy)
+
+
+def compute_logprobs(
+    logprobs: torch.Tensor, sampled: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sampled token's logprob and rank, and each row's k most likely tokens.
+
+    ``logprobs`` [B, V] float32 is already log-softmaxed, ``sampled`` [B] int64. Returns
+    (sampled_logprob [B], sampled_rank [B] int64, topk_ids [B, k], topk_logprobs [B, k]);
+    k = 0 gives empty [B, 0] tensors. The rank follows vLLM's code: the number of tokens at
+    least as likely as the sampled one, itself included (1 = the most likely; a token tied
+    with others gets the worst rank of its tie).
+    """
+    sampled_logprob = logprobs.gather(-1, sampled[:, None])
+    rank = (logprobs >= sampled_logprob).sum(dim=-1)
+    topk_logprobs, topk_ids = logprobs.topk(k, dim=-1)
+    return sampled_logprob.squeeze(-1), rank, topk_ids, topk_logprobs

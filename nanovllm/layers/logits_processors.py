@@ -1,0 +1,146 @@
+"""Shaping the logits before sampling: vLLM's request-level rules (chapter 01).
+
+Each rule edits the raw scores ``l[r, v]`` of row r (one request) and token v:
+
+* **allowed tokens** (vLLM's ``allowed_token_ids``): a listed row keeps only its listed
+  tokens, ``l[r, v] = -inf`` for every other v.
+* **banned tokens**: ``l[r, v] = -inf``. The engine lists here what ``min_tokens`` forbids
+  (EOS and stop ids while fewer than ``min_tokens`` tokens are out) and the one-token bad
+  words.
+* **bad sequences** (vLLM's ``bad_words`` rule for words of several tokens ``w_1..w_n``):
+  ban ``w_n`` when the row's last ``n - 1`` generated tokens are ``w_1..w_{n-1}``. Only
+  generated tokens count, so a prefix longer than the output never matches, and the word
+  can still be completed across the prompt/output boundary, as in vLLM.
+* **logit bias** (OpenAI's ``logit_bias``): ``l[r, v] += b``. A finite bias cannot lift a
+  banned token back from -inf.
+* **repetition penalty** p (Keskar et al., 2019, in the form of Hugging Face's
+  ``RepetitionPenaltyLogitsProcessor`` and vLLM): for every token seen in the prompt or the
+  output, ``l = l / p`` if ``l > 0`` else ``l * p``, so p > 1 always makes it less likely.
+* **frequency and presence penalties** (OpenAI's definition), with ``c[r, v]`` the number
+  of times v was *generated* (the prompt does not count):
+  ``l -= frequency * c + presence * (c > 0)``.
+
+Order, as vLLM v1's ``Sampler.apply_logits_processors`` (``vllm/v1/sample/sampler.py``):
+allowed-token mask, bad words, the built-in processors that can change the arg-max
+(min_tokens, then logit bias), then ``apply_penalties`` (repetition, frequency, presence,
+``vllm/model_executor/layers/utils.py``). Bans and a finite bias commute, so this module
+applies every ban (bad words and min_tokens) before the bias.
+
+Everything is batched tensor code with no host synchronisation (no ``.item()``, no
+boolean-mask indexing, no loop over rows), so it can run after a CUDA-graph replay
+under async scheduling. Token ids padded with -1 never count: they are sent to an extra
+column V of the count buffers, which is then dropped.
+
+A row whose every token ends at -inf (say its allowed tokens are all banned) is left that
+way: its softmax is NaN and the token drawn from it is meaningless. Requests that can do
+this are rejected when their parameters are checked; guarding here would hide that error
+and cost a full [B, V] reduction on every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class LogitsProcessingTensors:
+    """One step's per-row settings for the B rows being sampled, on the logits' device.
+    Every field is optional (None: no row uses it)."""
+
+    prompt_ids: torch.Tensor | None = None  # [B, Lp] int64, padded with -1
+    output_ids: torch.Tensor | None = None  # [B, Lo] int64, left-aligned, padded with -1
+    output_lens: torch.Tensor | None = None  # [B] int64, valid entries of output_ids
+    presence_penalty: torch.Tensor | None = None  # [B] float32 (0 = off)
+    frequency_penalty: torch.Tensor | None = None  # [B] float32 (0 = off)
+    repetition_penalty: torch.Tensor | None = None  # [B] float32 (1 = off)
+    # (rows [N], token ids [N], values [N]): logits[row, tok] += value (repeats add up)
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # (rows [M], token ids [M]): listed rows keep only their listed tokens
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
+    # (rows [K], token ids [K]): set to -inf
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None
+    # (rows [S], prefixes [S, P] right-aligned and padded with -1 on the left,
+    #  prefix_lens [S], last_tokens [S]); needs output_ids and output_lens
+    bad_sequences: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+def process_logits(logits: torch.Tensor, t: LogitsProcessingTensors) -> torch.Tensor:
+    """Apply every rule to ``logits`` [B, V] float32 *in place* and return it.
+
+    Callers that need the raw scores afterwards (vLLM's default logprobs are computed
+    before any processing) must take them first or pass a copy. A row with every setting
+    off comes back bit-identical.
+    """
+    if t.allowed is not None:
+        _keep_only_allowed(logits, *t.allowed)
+    if t.banned is not None:
+        logits.index_put_(t.banned, logits.new_full((), NEG_INF))
+    if t.bad_sequences is not None:
+        _ban_bad_sequences(logits, t.output_ids, t.output_lens, *t.bad_sequences)
+    if t.bias is not None:
+        rows, tokens, values = t.bias
+        logits.index_put_((rows, tokens), values, accumulate=True)
+    _apply_penalties(logits, t)
+    return logits
+
+
+def _keep_only_allowed(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+    # Drop whole listed rows, then take their listed tokens back out of the drop mask.
+    drop = torch.zeros_like(logits, dtype=torch.bool).index_fill_(0, rows, True)
+    drop.index_put_((rows, tokens), drop.new_zeros(()))
+    logits.masked_fill_(drop, NEG_INF)
+
+
+def _ban_bad_sequences(
+    logits: torch.Tensor,
+    output_ids: torch.Tensor,
+    output_lens: torch.Tensor,
+    rows: torch.Tensor,
+    prefixes: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    last_tokens: torch.Tensor,
+) -> None:
+    width = prefixes.shape[1]
+    slot = torch.arange(width, device=logits.device)
+    # Slot j of a prefix lines up with output position len - width + j. A leading -1 column
+    # turns positions before the output's start into -1, which matches no token.
+    pos = output_lens[rows, None] - width + slot + 1
+    padded = F.pad(output_ids, (1, 0), value=-1)
+    recent = padded[rows[:, None], pos.clamp(min=0)]  # [S, width]
+    needed = slot >= width - prefix_lens[:, None]  # the -1 padding on the left is not needed
+    hit = ((recent == prefixes) | ~needed).all(dim=-1)
+    # Adding -inf (hit) or 0 (miss) keeps the shapes fixed: no boolean indexing, no sync.
+    penalty = torch.where(hit, NEG_INF, 0.0).to(logits.dtype)
+    logits.index_put_((rows, last_tokens), penalty, accumulate=True)
+
+
+def _pad_to_column_v(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Padding (-1) -> V, the extra column that the count buffers drop."""
+    return ids.masked_fill(ids < 0, vocab_size)
+
+
+def _apply_penalties(logits: torch.Tensor, t: LogitsProcessingTensors) -> None:
+    batch, vocab = logits.shape
+    if t.repetition_penalty is not None:
+        seen = logits.new_zeros(batch, vocab + 1, dtype=torch.bool)
+        for ids in (t.prompt_ids, t.output_ids):
+            if ids is not None:
+                seen.scatter_(1, _pad_to_column_v(ids, vocab), True)
+        p = t.repetition_penalty[:, None]
+        # Divide, not multiply by 1/p: bit-identical to Hugging Face's processor.
+        penalised = torch.where(logits > 0, logits / p, logits * p)
+        torch.where(seen[:, :vocab], penalised, logits, out=logits)
+    if t.frequency_penalty is None and t.presence_penalty is None:
+        return
+    idx = _pad_to_column_v(t.output_ids, vocab)
+    ones = torch.ones_like(idx, dtype=logits.dtype)
+    counts = logits.new_zeros(batch, vocab + 1).scatter_add_(1, idx, ones)[:, :vocab]
+    if t.frequency_penalty is not None:
+        logits.sub_(counts * t.frequency_penalty[:, None])
+    if t.presence_penalty is not None:
+        logits.sub_((counts > 0) * t.presence_penalty[:, None])
