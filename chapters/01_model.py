@@ -1004,28 +1004,478 @@ plt.show()
 # handful of tokens that are at least a tenth as likely as the best one.
 
 # %% [markdown]
+# ### 2.5 Log-probabilities: what the engine can tell you
+#
+# Sampling keeps one token and throws the distribution away. Often we want more of it: how sure
+# was the model of the token it chose, which alternatives came close, how likely is a whole
+# answer, how well does the model predict a given text? The engine answers with
+# **log-probabilities** (*logprobs*), as vLLM and the OpenAI API do. The logprob of token $i$ is
+# the logarithm of its softmax, the *log-softmax* of the logits:
+#
+# $$\log p_i = z_i - \log \sum_j e^{z_j} = (z_i - m) - \log \sum_j e^{z_j - m},
+#   \qquad m = \max_j z_j .$$
+#
+# The second form is how it is computed: once the largest logit is subtracted no exponential
+# can overflow, and the result never passes through a probability that could underflow.
+# Taking the logarithm *of the softmax* instead fails for unlikely tokens: a probability below
+# the smallest positive fp32 number is exactly 0, and its logarithm is $-\infty$. Logprobs are at
+# most 0 (a certain token), and they add where probabilities multiply.
+
+# %%
+def log_softmax_small(z: torch.Tensor) -> torch.Tensor:
+    """Log-softmax over the last dimension, in the stable form."""
+    shifted = z - z.max(dim=-1, keepdim=True).values
+    return shifted - shifted.exp().sum(dim=-1, keepdim=True).log()
+
+
+logp = log_softmax_small(z)  # the next token after our prompt
+check("log-softmax by hand vs torch.log_softmax", logp, z.log_softmax(-1), 1e-5)
+tiny = torch.tensor(2.0**-149)  # the smallest positive fp32 number
+print(f"smallest positive fp32 number: {tiny.item():.1e}, its logarithm: {tiny.log().item():.1f}")
+sharp = z / 0.1  # temperature 0.1: a sharp distribution
+print(f"at T = 0.1, log(softmax) is -inf for {int(sharp.softmax(-1).log().isinf().sum()):,} "
+      f"tokens, the log-softmax for {int(log_softmax_small(sharp).isinf().sum())}")
+
+# %% [markdown]
+# Two more numbers describe a token at one position. Its **rank** is the number of tokens at
+# least as likely as it, itself included: 1 for the arg-max (vLLM's definition; a token tied
+# with others gets the worst rank of its tie). The **top-k logprobs** are the $k$ most likely
+# tokens with their logprobs: the alternatives the model weighed. For the next token after our
+# prompt, the five most likely tokens and an unlikely one:
+
+# %%
+def rank_small(logp: torch.Tensor, token: int) -> int:
+    return int((logp >= logp[token]).sum())
+
+
+dragon = tokenizer.encode(" dragon", add_special_tokens=False)[0]
+for i in [*logp.topk(5).indices.tolist(), dragon]:
+    print(f"  {tokenizer.decode(i)!r:12s} logprob {logp[i].item():6.2f}   "
+          f"p = {logp[i].exp().item():.4f}   rank {rank_small(logp, i):5,}")
+
+# %% [markdown]
+# The package computes these numbers for a whole batch at once in `compute_logprobs`
+# (`nanovllm/layers/sampler.py`): given each row's log-softmax and one token per row, it returns
+# that token's logprob and rank, and the row's top $k$. It has no loop and no `.item()`, so the
+# engine runs it on the device right after sampling, without waiting for the host:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+from nanovllm.layers.sampler import compute_logprobs
+
+show_source(compute_logprobs)
+
+# %% [markdown]
+# A natural batch to try it on is the **prompt** itself. Run on a sequence, the model returns
+# one row of logits per position (section 1.9), and row $t$ is its prediction for token $t+1$.
+# Scoring every prompt token against the row before it gives the **prompt logprobs**
+# $\log p(x_{t+1} \mid x_1 \dots x_t)$; the first token has none, since nothing predicts it.
+# Our small functions and `compute_logprobs` on the same rows:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+with torch.no_grad(), attention_metadata(None):
+    Z_prompt = model.compute_logits(model(prompt_ids, torch.arange(len(prompt_ids))))  # [T, vocab]
+prompt_rows, targets = log_softmax_small(Z_prompt[:-1]), prompt_ids[1:]  # row t -> token t+1
+ours_logprob = prompt_rows.gather(-1, targets[:, None]).squeeze(-1)
+ours_rank = torch.tensor([rank_small(r, t) for r, t in zip(prompt_rows, targets.tolist())])
+pkg_logprob, pkg_rank, pkg_top_ids, pkg_top = compute_logprobs(Z_prompt[:-1].log_softmax(-1),
+                                                               targets, 3)
+check("prompt logprobs: ours vs compute_logprobs", ours_logprob, pkg_logprob, 1e-4)
+print("ranks identical:", torch.equal(ours_rank, pkg_rank))
+print("top-3 tokens identical:", torch.equal(prompt_rows.topk(3).indices, pkg_top_ids))
+print("the last row is the next-token logits of section 2:", torch.equal(Z_prompt[-1], z))
+
+# %% [markdown]
+# Read per token, the prompt logprobs show where the text surprised the model (a large rank) and
+# what it expected instead:
+
+# %%
+print(f"{'token':>10s} {'logprob':>8s} {'rank':>6s}   the model's top 3")
+for t, lp, r, ids3, lps3 in zip(targets.tolist(), pkg_logprob, pkg_rank, pkg_top_ids, pkg_top):
+    guesses = ", ".join(f"{tokenizer.decode(i)!r} {v:.2f}" for i, v in zip(ids3.tolist(),
+                                                                             lps3.tolist()))
+    print(f"{tokenizer.decode(t)!r:>10s} {lp.item():8.2f} {r.item():6,}   {guesses}")
+
+# %% [markdown]
+# Averaged over a text, prompt logprobs measure how well the model predicts it. The
+# **perplexity**
+#
+# $$\mathrm{PPL} = \exp\Big(-\frac{1}{n} \sum_{t=1}^{n} \log p(x_{t+1} \mid x_1 \dots x_t)\Big)$$
+#
+# is the number of equally likely choices per token that would surprise the model as much: 1
+# for a text it predicts with certainty, the vocabulary size for uniform guessing. It is the
+# standard measure of a language model on held-out text, and a quick way to compare texts
+# under one model:
+
+# %%
+def prompt_logprobs_small(ids: list[int]) -> torch.Tensor:
+    """log p(token t+1 | tokens 1..t) for every token after the first, from one forward pass."""
+    ids = torch.tensor(ids)
+    with torch.no_grad(), attention_metadata(None):
+        rows = log_softmax_small(model.compute_logits(model(ids, torch.arange(len(ids))))[:-1])
+    return rows.gather(-1, ids[1:, None]).squeeze(-1)
+
+
+texts = {
+    "true": "The capital of France is Paris.",
+    "false": "The capital of France is Rome.",
+    "scrambled": "France Paris of is capital The.",
+}
+ppl = {}
+for name, text in texts.items():
+    ppl[name] = math.exp(-prompt_logprobs_small(tokenizer(text).input_ids).mean().item())
+    print(f"{name:9s} {text!r:36s} perplexity {ppl[name]:8.1f}")
+assert ppl["true"] < ppl["false"] < ppl["scrambled"]
+
+# %% [markdown]
+# The true sentence surprises the model least, the wrong capital more, and the same words in a
+# random order far more (the `assert` keeps this sentence honest).
+#
+# **The probability of a whole completion.** By the chain rule, the probability that the model
+# continues a prompt $x$ with the tokens $y_1 \dots y_n$ is the product of the per-token
+# probabilities, so its logarithm is the sum of their logprobs:
+#
+# $$\log P(y \mid x) = \sum_{t=1}^{n} \log p(y_t \mid x, y_1 \dots y_{t-1}).$$
+#
+# That sum is the **cumulative logprob** the engine reports with each completion. It compares
+# completions of the same prompt (beam search ranks its candidates by it); since every term is
+# negative, a longer completion always scores lower, which is why comparisons across lengths
+# use the mean per token, as perplexity does. We generate a few greedy tokens with the bare
+# model, one full forward pass per token (no KV cache), then score prompt + completion in a
+# single pass: the prompt logprobs of the completion's tokens add up to the same number.
+
+# %%
+N_SCORED = 6  # tokens of greedy completion scored here and, in section 3.2, by the engine
+sequence = prompt_ids.tolist()
+step_logprobs = []
+for _ in range(N_SCORED):
+    with torch.no_grad(), attention_metadata(None):
+        last = model.compute_logits(model(torch.tensor(sequence), torch.arange(len(sequence))))[-1]
+    row = log_softmax_small(last)
+    token = int(row.argmax())
+    step_logprobs.append(row[token])
+    sequence.append(token)
+greedy_ids = sequence[len(prompt_ids):]
+cumulative = torch.stack(step_logprobs).sum()
+print(f"greedy completion: {tokenizer.decode(greedy_ids)!r}")
+print("per-token logprobs:", [round(x.item(), 2) for x in step_logprobs])
+print(f"cumulative logprob {cumulative.item():.2f}: P(completion | prompt) = "
+      f"{cumulative.exp().item():.1e}")
+one_pass = prompt_logprobs_small(sequence)[len(prompt_ids) - 1 :].sum()
+check("step by step vs one pass over prompt + completion", cumulative, one_pass, 1e-4)
+
+# %% [markdown]
+# **Raw or processed?** Which distribution should the logprobs describe when a request samples
+# at a temperature, or with the penalties and bans of the next section? By default
+# (`logprobs_mode="raw_logprobs"`, vLLM's default) the engine reports the model's own
+# distribution, the log-softmax of the logits exactly as the LM head produced them, whatever the
+# request's settings: the right numbers for scoring text and for comparing runs with different
+# settings. With `LLM(path, logprobs_mode="processed_logprobs")` (an `EngineConfig` field) it
+# reports
+#
+# $$\log \mathrm{softmax}\big(\mathrm{process}(z) / T\big),$$
+#
+# where $\mathrm{process}$ applies every rule of section 2.6 (allowed tokens, bad words,
+# `min_tokens`, logit bias, repetition, frequency and presence penalties) and $T$ is the
+# request's temperature (1 for a greedy request). It does **not** apply top-k, top-p or min-p:
+# a token outside the nucleus keeps a finite processed logprob although it can never be drawn.
+# (vLLM v1's processed logprobs are taken after its top-k/top-p cut.) The choice is made in the
+# model runner's `_sample`:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+from nanovllm.engine.model_runner import ModelRunner
+
+show_source(ModelRunner._sample)
+
+# %% [markdown]
+# Section 3.2 switches logprobs on in the engine.
+
+# %% [markdown]
+# ### 2.6 Penalties, bias and bans
+#
+# Temperature and truncation treat every token alike. Requests often need rules about
+# *particular* tokens: don't repeat yourself, never say this word, prefer that token, answer
+# only with one of these, don't stop before some length. vLLM implements the rules of the
+# OpenAI API and of Hugging Face as **logits processors**, edits of the logits $z_i$ before the
+# temperature and the sampler of sections 2.1 to 2.3. With $S$ the set of tokens seen so far,
+# in the prompt or the output, and $c_i$ the number of times token $i$ was *generated* (the
+# prompt does not count), the rules of `SamplingParams` are:
+#
+# - **repetition penalty** $\rho$ (`repetition_penalty`, Keskar et al. 2019, in the form of
+#   Hugging Face and vLLM): for every $i \in S$, $z_i \leftarrow z_i / \rho$ if $z_i > 0$, else
+#   $z_i \leftarrow z_i\,\rho$. With $\rho > 1$ a seen token always loses, $\rho < 1$ favours
+#   repetition. Note that the cut scales with the logit: a seen token with a large logit loses a
+#   lot, one near 0 almost nothing, although the softmax does not care where 0 is;
+# - **frequency and presence penalties** $\varphi$, $\pi$ (`frequency_penalty`,
+#   `presence_penalty`, OpenAI's definition):
+#   $z_i \leftarrow z_i - \varphi\, c_i - \pi\,[c_i > 0]$. The frequency penalty grows with
+#   every repetition, the presence penalty is a flat fee for having appeared at all;
+# - **logit bias** $b_i$ (`logit_bias`, a dict `{token id: b}`, clamped to ±100):
+#   $z_i \leftarrow z_i + b_i$;
+# - **allowed tokens** $A$ (`allowed_token_ids`): $z_i \leftarrow -\infty$ for every $i \notin A$;
+# - **bad words** (`bad_words`, strings): each word is tokenized as written and after a space;
+#   a word of one token $w$ gets $z_w \leftarrow -\infty$ at every step, a word of several
+#   tokens $w_1 \dots w_n$ bans $w_n$ only when the last $n - 1$ generated tokens are
+#   $w_1 \dots w_{n-1}$;
+# - **`min_tokens`** $m$: while fewer than $m$ tokens are generated, the end-of-sequence token
+#   (unless `ignore_eos`) and the request's `stop_token_ids` get $-\infty$.
+#
+# The engine applies them in vLLM's order: the allowed-token mask, the bans (one-token bad words
+# and `min_tokens`), the bad sequences, the logit bias, then the penalties (repetition, then
+# frequency and presence); the temperature, the filters and the exponential race follow. A ban
+# is final (no finite bias or penalty lifts $-\infty$), and the bias comes before the
+# repetition penalty, which then scales it too. The package's
+# `nanovllm/layers/logits_processors.py`, whose docstring is this list:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+from nanovllm.layers.logits_processors import LogitsProcessingTensors, process_logits
+
+show_source(inspect.getmodule(process_logits))
+
+# %% [markdown]
+# `process_logits` edits a batch of rows in place, each row with its own settings, and touches
+# only the listed tokens of each rule except for the token counts of the frequency and presence
+# penalties. Our small version handles one row, rule by rule, in the same order. A setting is a
+# dict: `repetition`, `frequency`, `presence`, `bias` (`{token: b}`), `allowed` and `banned`
+# (token lists) and `bad_sequences` (token lists of several tokens):
+
+# %%
+def repetition_penalty_small(z: torch.Tensor, seen: list[int], rho: float) -> torch.Tensor:
+    z = z.clone()
+    for i in set(seen):  # each seen token once, however often it was seen
+        z[i] = z[i] / rho if z[i] > 0 else z[i] * rho
+    return z
+
+
+def frequency_presence_small(z, generated: list[int], frequency: float, presence: float):
+    counts = torch.bincount(torch.tensor(generated, dtype=torch.long), minlength=len(z)).float()
+    return z - frequency * counts - presence * (counts > 0).float()
+
+
+def process_small(z: torch.Tensor, prompt: list[int], generated: list[int], **rule) -> torch.Tensor:
+    """One row's logits after the rules in `rule`, in the engine's order."""
+    z = z.clone()
+    if "allowed" in rule:
+        keep = torch.zeros_like(z, dtype=torch.bool)
+        keep[rule["allowed"]] = True
+        z = z.masked_fill(~keep, NEG_INF)
+    for token in rule.get("banned", ()):  # one-token bad words; EOS and stop ids for min_tokens
+        z[token] = NEG_INF
+    for *prefix, last in rule.get("bad_sequences", ()):
+        if len(prefix) <= len(generated) and generated[len(generated) - len(prefix) :] == prefix:
+            z[last] = NEG_INF
+    for token, b in rule.get("bias", {}).items():
+        z[token] += b
+    z = repetition_penalty_small(z, prompt + generated, rule.get("repetition", 1.0))
+    return frequency_presence_small(z, generated, rule.get("frequency", 0.0),
+                                    rule.get("presence", 0.0))
+
+
+# %% [markdown]
+# For the package we build the batch's `LogitsProcessingTensors` by hand, one row per setting,
+# as the engine's `SamplingInputs` does for a batch of requests (section 3): per-row penalty
+# values, the prompt and output token ids padded with −1, and `(rows, tokens, ...)` lists for
+# the rules that name tokens. Our test case is a text with repetitions, split into a prompt and
+# an output "generated so far", and the model's real next-token logits after it:
+
+# %%
+def processing_tensors(rules: list[dict], prompt: list[int], generated: list[int]):
+    """The package's tensors for len(rules) rows that share one history (prompt, generated)."""
+    n = len(rules)
+    column = lambda key, off: torch.tensor([float(r.get(key, off)) for r in rules])  # noqa: E731
+    t = LogitsProcessingTensors(
+        prompt_ids=torch.tensor([prompt] * n), output_ids=torch.tensor([generated] * n),
+        output_lens=torch.full((n,), len(generated)),
+        repetition_penalty=column("repetition", 1.0), frequency_penalty=column("frequency", 0.0),
+        presence_penalty=column("presence", 0.0),
+    )
+    listed = lambda key: [(row, token) for row, r in enumerate(rules)  # noqa: E731
+                          for token in r.get(key, ())]
+    if bias := [(row, tok, b) for row, r in enumerate(rules) for tok, b in r.get("bias", {}).items()]:
+        rows, tokens, values = zip(*bias)
+        t.bias = (torch.tensor(rows), torch.tensor(tokens), torch.tensor(values))
+    if allowed := listed("allowed"):
+        t.allowed = tuple(torch.tensor(c) for c in zip(*allowed))
+    if banned := listed("banned"):
+        t.banned = tuple(torch.tensor(c) for c in zip(*banned))
+    if words := listed("bad_sequences"):  # prefixes right-aligned, padded with -1 on the left
+        width = max(len(w) - 1 for _, w in words)
+        t.bad_sequences = (torch.tensor([row for row, _ in words]),
+                           torch.tensor([[-1] * (width - len(w) + 1) + w[:-1] for _, w in words]),
+                           torch.tensor([len(w) - 1 for _, w in words]),
+                           torch.tensor([w[-1] for _, w in words]))
+    return t
+
+
+history_prompt = "The cat and the dog"
+history_output = " and the cat and the cat and the cat and the"
+seen_prompt = tokenizer.encode(history_prompt, add_special_tokens=False)
+generated = tokenizer.encode(history_output, add_special_tokens=False)
+assert seen_prompt + generated == tokenizer.encode(history_prompt + history_output,
+                                                   add_special_tokens=False)
+with torch.no_grad(), attention_metadata(None):
+    history = torch.tensor(seen_prompt + generated)
+    z_rep = model.compute_logits(model(history, torch.arange(len(history))))[-1]
+word = {w: tokenizer.encode(w, add_special_tokens=False)[0] for w in (" cat", "cat", " dog",
+                                                                      " the", " and", " mouse")}
+counts = {w: generated.count(word[w]) for w in (" cat", " dog", " the", " and")}
+print(f"prompt {history_prompt!r} + generated so far {history_output!r}")
+print("times generated:", counts, "; in the prompt:",
+      [w for w in counts if word[w] in seen_prompt])
+
+# %% [markdown]
+# Six rows: no rule, and one rule each. The bad word `"cat"` bans both of its spellings, `cat`
+# and `␣cat`, as the engine does. Package and small version must agree bit for bit:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+RULES = {  # panel title: rule
+    "no rule": {},
+    "repetition_penalty = 1.5": {"repetition": 1.5},
+    "presence_penalty = 1.0": {"presence": 1.0},
+    "frequency_penalty = 0.5": {"frequency": 0.5},
+    "logit_bias = {\u2423mouse: +5}": {"bias": {word[" mouse"]: 5.0}},
+    "bad_words = ['cat']": {"banned": [word[" cat"], word["cat"]]},
+}
+rules = list(RULES.values())
+processed = process_logits(z_rep.expand(len(rules), -1).clone(),
+                           processing_tensors(rules, seen_prompt, generated))
+ours = torch.stack([process_small(z_rep, seen_prompt, generated, **r) for r in rules])
+print(f"process_logits vs process_small, {len(rules)} rows: identical", torch.equal(processed, ours))
+print("the row with no rule comes back unchanged:", torch.equal(processed[0], z_rep))
+
+# %% [markdown]
+# The other rules, on the same history: allowed tokens; bad words of two and three tokens, one
+# that matches the end of the output and bans its last token, one that does not; the ban of
+# the end-of-sequence token that `min_tokens` applies; and everything at once, which tests the
+# order:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+cat, dog, the, and_, mouse = (word[w] for w in (" cat", " dog", " the", " and", " mouse"))
+eos = tokenizer.eos_token_id
+more_rules = [
+    {"allowed": [cat, dog, mouse]},
+    {"bad_sequences": [[the, cat]]},  # the output ends with " the": bans " cat"
+    {"bad_sequences": [[and_, the, dog]]},  # ends with " and the": bans " dog"
+    {"bad_sequences": [[dog, cat]]},  # the output does not end with " dog": no ban
+    {"banned": [eos]},  # min_tokens, while the output is too short
+    {"allowed": [cat, dog, mouse, eos], "banned": [eos], "bad_sequences": [[the, dog]],
+     "bias": {cat: 2.0, mouse: -1.0}, "repetition": 1.3, "frequency": 0.4, "presence": 0.6},
+]
+processed_more = process_logits(z_rep.expand(len(more_rules), -1).clone(),
+                                processing_tensors(more_rules, seen_prompt, generated))
+ours_more = torch.stack([process_small(z_rep, seen_prompt, generated, **r) for r in more_rules])
+print(f"process_logits vs process_small, {len(more_rules)} more rows: identical",
+      torch.equal(processed_more, ours_more))
+print("tokens left by the allowed list:", int(torch.isfinite(processed_more[0]).sum()))
+print("bad sequences ban ' cat' / ' dog' / nothing:",
+      [int(torch.isinf(processed_more[r]).sum()) for r in (1, 2, 3)], "tokens banned")
+bias_then_penalty = (z_rep[cat] + 5) / 1.5
+penalty_then_bias = z_rep[cat] / 1.5 + 5
+print("order matters: bias then repetition penalty differs from the reverse:",
+      not torch.isclose(bias_then_penalty, penalty_then_bias).item())
+
+# %% [markdown]
+# The figure shows what each rule of the first six rows does to the probabilities of the 12
+# most likely next tokens (bars in the same order in every panel; hollow bars are the
+# distribution without rules, a grey cross a banned token). Red labels mark tokens seen before,
+# which the repetition penalty targets.
+
+# %%
+probs_rule = processed.softmax(-1)  # temperature 1
+order12 = z_rep.topk(12).indices
+seen = set(seen_prompt + generated)
+for title, probs in zip(RULES, probs_rule):
+    leader = int(probs.argmax())
+    print(f"{title:26s} p(\u2423cat) = {probs[cat].item():.3f}  p(\u2423dog) = "
+          f"{probs[dog].item():.3f}  most likely: {tokenizer.decode(leader)!r}")
+
+# %%
+labels12 = [repr(tokenizer.decode(i))[1:-1].replace(" ", "\u2423") for i in order12]
+fig, axes = plt.subplots(2, 3, figsize=(13, 6.4), sharey=True)
+xs = torch.arange(12).numpy()
+raw12 = probs_rule[0][order12].numpy()
+for ax, title, probs in zip(axes.flat, RULES, probs_rule):
+    values = probs[order12].numpy()
+    kept = values > 0
+    ax.bar(xs, raw12, color="none", edgecolor="0.7", lw=0.8, label="no rule")
+    ax.bar(xs[kept], values[kept], color=BOOK_COLORS[0], label="with the rule")
+    ax.plot(xs[~kept], [0.02] * int((~kept).sum()), "x", color="0.5", ms=7, mew=2,
+            label="banned")
+    ax.set_title(title)
+    ax.set_xticks(xs, labels12, rotation=60, fontsize=9)
+    for tick, token in zip(ax.get_xticklabels(), order12.tolist()):
+        if token in seen:
+            tick.set_color(BOOK_COLORS[3])
+for ax in axes[:, 0]:
+    ax.set_ylabel("probability (T = 1)")
+for ax in axes[1]:
+    ax.set_xlabel("next token (12 most likely without rules)")
+axes[0, 0].legend(loc="upper right", fontsize=9)
+fig.suptitle(f"Next token after {history_prompt!r} + generated {history_output!r} "
+             f"(SmolLM2-135M-Instruct)\n\u2423cat generated {counts[' cat']} times, "
+             f"\u2423dog only in the prompt; red: seen before; \u2423 = space", y=1.0)
+fig.tight_layout()
+save_figure(fig, "01_model_penalties")
+plt.show()
+
+# %% [markdown]
+# Read the panels with the printed table above them. The repetition penalty hits both `␣cat` and
+# `␣dog`, since the prompt counts for it, and because their logits are large, dividing them
+# drops both below tokens never seen. The presence and frequency penalties touch only `␣cat`:
+# `␣dog` was never *generated*, so for them it is new. `␣cat` was generated several times, so
+# the frequency penalty, charged per occurrence, costs it more than the presence penalty's flat
+# fee here. A bias of +5 multiplies a token's odds by $e^5$, enough to make `␣mouse` the
+# favourite, and the bad word removes `␣cat`, handing most of its probability to `␣dog`.
+#
+# **What `processed_logprobs` would report** for this step is the log-softmax of these rows
+# (each at temperature 1), not of the raw logits. For `␣cat`:
+
+# %%
+raw_cat = log_softmax_small(z_rep)[cat]
+for title, row in zip(RULES, processed):
+    processed_logp = log_softmax_small(row)
+    print(f"{title:26s} logprob of \u2423cat: raw {raw_cat.item():6.2f}, processed "
+          f"{processed_logp[cat].item():6.2f} (rank {rank_small(processed_logp, cat):,})")
+
+# %% [markdown]
+# Section 3.3 switches these rules on in the engine.
+
+# %% [markdown]
 # ## 3. Switching it on in the engine
 #
 # A request chooses its sampling with `SamplingParams` (`nanovllm/sampling_params.py`, field
 # names as in vLLM). `temperature=0` means greedy; `top_k=-1`, `top_p=1` and `min_p=0` disable
-# the filters; `seed` gives the request its own random stream:
+# the filters; `seed` gives the request its own random stream. `logprobs` and `prompt_logprobs`
+# ask for the numbers of section 2.5; `repetition_penalty`, `frequency_penalty`,
+# `presence_penalty`, `logit_bias`, `allowed_token_ids`, `bad_words` and `min_tokens` are the
+# rules of section 2.6, off by default. (`n` asks for several samples of one prompt, the stop
+# fields end a request, chapter 00, and the last three only steer the scheduler, chapter 06.)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 show_source(SamplingParams)
 
 # %% [markdown]
-# At every step the model runner (`nanovllm/engine/model_runner.py`) turns the batch's
-# `SamplingParams` into one tensor per setting, and keeps one `torch.Generator` per seeded
-# request for its whole life:
+# At every step the model runner (`nanovllm/engine/model_runner.py`) has `SamplingInputs`
+# (`nanovllm/engine/sampling_metadata.py`) turn the batch's `SamplingParams` into tensors: one
+# per sampler setting, with one `torch.Generator` per seeded request kept for its whole life,
+# and, only when some request of the batch uses a rule of section 2.6, the
+# `LogitsProcessingTensors` we built by hand there:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.sampling_metadata import SamplingInputs
 
-show_source(ModelRunner.sampling_tensors, ModelRunner._generator)
+show_source(SamplingInputs._sampling, SamplingInputs._generator, SamplingInputs._processing)
 
 # %% [markdown]
+# ### 3.1 Temperature, filters and seeds
+#
 # We start the engine on the default device (the GPU when there is one) and send one batch of
 # eight requests, all continuing our story prompt with different settings. Two requests are
 # identical (temperature 0.7, seed 1); one differs only in its seed. We switch prefix caching
@@ -1108,6 +1558,128 @@ for name, (temperature, top_p) in {"greedy": (0.0, 1.0), "temperature only": (1.
     env = {"sampler": sampler, "logits32": logits32, "st": st}
     timer = Timer("sampler(logits32, st)", globals=env)
     print(f"{name:20s} {timer.timeit(3).mean * 1e3:7.2f} ms per step")
+
+# %% [markdown]
+# ### 3.2 Log-probabilities from the engine
+#
+# `logprobs=k` asks, for every generated token, for the numbers of section 2.5: a
+# `{token id: Logprob}` dict per position (`nanovllm/outputs.py`) holding the chosen token and
+# the $k$ most likely ones, each with its logprob, rank and text (the chosen token comes first
+# and appears once if it is among the top $k$). The completion's `cumulative_logprob` is the sum
+# of its tokens' logprobs. `prompt_logprobs=k` does the same for the prompt, in
+# `RequestOutput.prompt_logprobs`, with `None` for the first token. Both come from
+# `compute_logprobs`, on the device, in the step that computes the tokens. We ask for the greedy
+# completion of section 2.5:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+with_logprobs = SamplingParams(temperature=0, max_tokens=N_SCORED, ignore_eos=True, logprobs=3,
+                               prompt_logprobs=1)
+scored = llm.generate(prompt, with_logprobs, use_tqdm=False)[0]
+completion = scored.outputs[0]
+print(f"{prompt}{completion.text!r}")
+print(f"{'token':>10s} {'logprob':>8s} {'rank':>5s}   top 3")
+for token, position in zip(completion.token_ids, completion.logprobs):
+    top3 = sorted(position.values(), key=lambda e: -e.logprob)[:3]
+    alternatives = ", ".join(f"{e.decoded_token!r} {e.logprob:.2f}" for e in top3)
+    chosen = position[token]
+    print(f"{chosen.decoded_token!r:>10s} {chosen.logprob:8.2f} {chosen.rank:5d}   {alternatives}")
+print(f"cumulative_logprob {completion.cumulative_logprob:.2f}")
+prompt_lp = [entry[t].logprob for t, entry in zip(scored.prompt_token_ids[1:],
+                                                   scored.prompt_logprobs[1:])]
+print(f"prompt perplexity {math.exp(-sum(prompt_lp) / len(prompt_lp)):.1f}")
+
+# %% [markdown]
+# On this machine's CPU in fp32 the engine computes what the bare model of section 2.5 computed,
+# up to rounding (different kernels: a paged KV cache, one decode step per token); on a GPU in
+# bf16 the logprobs differ in the second or third digit, and a near tie can change a greedy
+# token. The structure of the answer holds everywhere:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+completion_lp = [position[t].logprob for t, position in zip(completion.token_ids,
+                                                            completion.logprobs)]
+print("same greedy tokens as section 2.5:", completion.token_ids == greedy_ids)
+if completion.token_ids == greedy_ids:
+    print(f"max |engine - section 2.5| over the completion's logprobs: "
+          f"{(torch.tensor(completion_lp) - torch.stack(step_logprobs)).abs().max().item():.1e}")
+print(f"max |engine - section 2.5| over the prompt logprobs: "
+      f"{(torch.tensor(prompt_lp) - pkg_logprob).abs().max().item():.1e}")
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print("one logprobs dict per generated token:",
+      len(completion.logprobs) == len(completion.token_ids) == N_SCORED)
+print("entries per position (the top 3, the greedy token among them):",
+      {len(position) for position in completion.logprobs})
+print("every greedy token is a most likely one:",
+      all(position[t].logprob == max(e.logprob for e in position.values())
+          for t, position in zip(completion.token_ids, completion.logprobs)))
+print("cumulative_logprob = sum of the tokens' logprobs:",
+      math.isclose(completion.cumulative_logprob, sum(completion_lp), abs_tol=1e-6))
+print("prompt_logprobs: one per prompt token, None for the first:",
+      len(scored.prompt_logprobs) == len(scored.prompt_token_ids),
+      scored.prompt_logprobs[0] is None)
+print("each prompt position holds the prompt's own token:",
+      all(t in entry for t, entry in zip(scored.prompt_token_ids[1:], scored.prompt_logprobs[1:])))
+
+# %% [markdown]
+# ### 3.3 Penalties, bias and bans in the engine
+#
+# Greedy decoding of a small model falls into loops easily, and a list that already repeats
+# itself is a strong invitation. Four requests in one batch continue such a list greedily: one
+# with no rule, one with a repetition penalty, one with a frequency penalty, and one that bans
+# the word it repeats (with `logprobs=1`, to look at its raw logprobs afterwards):
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+loop_prompt = "List of fruits: apple, banana, apple, banana,"
+greedy24 = {"temperature": 0, "max_tokens": 24, "ignore_eos": True}
+rule_requests = {
+    "no rule": SamplingParams(**greedy24),
+    "repetition_penalty=1.2": SamplingParams(repetition_penalty=1.2, **greedy24),
+    "frequency_penalty=1.0": SamplingParams(frequency_penalty=1.0, **greedy24),
+    "bad_words=['apple']": SamplingParams(bad_words=["apple"], logprobs=1, **greedy24),
+}
+rule_outputs = dict(zip(rule_requests, llm.generate([loop_prompt] * len(rule_requests),
+                                                    list(rule_requests.values()),
+                                                    use_tqdm=False)))
+for name, out in rule_outputs.items():
+    print(f"{name:23s} {len(set(out.token_ids)):2d} distinct tokens: {out.text!r}")
+
+# %% [markdown]
+# On this machine's CPU, without a rule the model repeats one word for as long as it may. The
+# repetition penalty, which also counts the prompt, breaks the loop at once. The frequency
+# penalty needs a few repetitions to build up before it wins over the model's confidence, and
+# banning the repeated word only moves the loop to another word. (On a GPU the texts may differ.)
+# What holds everywhere: every request ran to its 24 tokens, and the banned word's tokens, in
+# both spellings, were never produced:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+apple_ids = {tokenizer.encode(w, add_special_tokens=False)[0] for w in ("apple", " apple")}
+print("24 tokens each:", {len(out.token_ids) for out in rule_outputs.values()})
+print("banned tokens produced:", apple_ids & set(rule_outputs["bad_words=['apple']"].token_ids))
+
+# %% [markdown]
+# The raw logprobs of the banned request describe the model, not the rule. Where the ban
+# changed the greedy choice, the chosen token is not the model's first choice, and the
+# model's first choice there is the banned word (with `logprobs_mode="processed_logprobs"`,
+# the banned tokens would have logprob $-\infty$ and every greedy token rank 1):
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+banned_out = rule_outputs["bad_words=['apple']"].outputs[0]
+overruled = [(i, position) for i, (t, position) in enumerate(zip(banned_out.token_ids,
+                                                                 banned_out.logprobs))
+             if position[t].rank > 1]
+print(f"positions where the chosen token has raw rank > 1: {len(overruled)} of "
+      f"{len(banned_out.token_ids)}")
+for i, position in overruled[:3]:
+    best = max(position.values(), key=lambda e: e.logprob)
+    chosen = position[banned_out.token_ids[i]]
+    print(f"  position {i}: chose {chosen.decoded_token!r} (raw rank {chosen.rank}, logprob "
+          f"{chosen.logprob:.2f}); the model's first choice {best.decoded_token!r} ({best.logprob:.2f})")
 
 # %% [markdown]
 # ## Exercises

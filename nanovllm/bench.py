@@ -11,6 +11,11 @@ generated tokens is known in advance and speed does not depend on weight values:
 ``--peer hf`` runs transformers on the same requests in the same process: its continuous
 batching on a GPU, its padded batched ``generate`` on a CPU. Its throughput counts only
 the requested tokens, not the padding it computes.
+
+``--logprobs K`` and ``--penalties`` make every nanovllm request also ask for its tokens'
+logprobs (top K) or apply repetition/presence/frequency penalties, to measure what those
+cost (chapter 11): compare ``nanovllm_tok_s`` with a run without the flag. The peer runs
+without them.
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ import torch
 from nanovllm import LLM, SamplingParams
 from nanovllm.configs import SHIPPED, config_path
 from nanovllm.models import ModelConfig
+
+# --penalties: what every request then uses (vLLM's names; all three on at once)
+PENALTIES = dict(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5)
 
 
 @dataclass
@@ -74,21 +82,29 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def warm_up(llm: LLM) -> None:
+def warm_up(llm: LLM, sampling: dict | None = None) -> None:
     """Run a few requests of different lengths before timing: Triton compiles each kernel on
-    its first use, and prefill, mixed and decode steps each need their own kernels."""
+    its first use, and prefill, mixed and decode steps each need their own kernels.
+    ``sampling``: extra ``SamplingParams`` fields, as the timed requests use them."""
     prompts = [[(7 * i + j) % 10000 for j in range(n)] for i, n in enumerate((3, 17, 70, 300))]
-    llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    params = SamplingParams(max_tokens=8, ignore_eos=True, **(sampling or {}))
+    llm.generate(prompts, params, use_tqdm=False)
     sync(llm.config.device)
     llm.engine.stats.reset()
 
 
-def run_nanovllm(path: str, load_format: str, work: Workload, **options) -> tuple[float, LLM]:
+def run_nanovllm(
+    path: str, load_format: str, work: Workload, sampling: dict | None = None, **options
+) -> tuple[float, LLM]:
+    """Seconds to run the workload (after a warm-up) and the engine; ``sampling``: extra
+    ``SamplingParams`` fields for every request (``--logprobs``, ``--penalties``)."""
     llm = LLM(path, load_format=load_format, **options)
+    sampling = sampling or {}
     params = [
-        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in work.output_lens
+        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, **sampling)
+        for n in work.output_lens
     ]
-    warm_up(llm)
+    warm_up(llm, sampling)
     start = time.perf_counter()
     outs = llm.generate(work.prompts, params, use_tqdm=False)
     sync(llm.config.device)
@@ -282,6 +298,19 @@ def main() -> None:
     )
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="K",
+        help="every nanovllm request also asks for its tokens' logprobs and top K (0..20)",
+    )
+    parser.add_argument(
+        "--penalties",
+        action="store_true",
+        help="every nanovllm request uses repetition_penalty=1.1, presence_penalty=0.5, "
+        "frequency_penalty=0.5",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write results as JSON here")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument(
@@ -321,7 +350,14 @@ def main() -> None:
     )
     if args.max_num_batched_tokens:
         options["max_num_batched_tokens"] = args.max_num_batched_tokens
-    ours, llm = run_nanovllm(path, load_format, work, **options)
+    sampling = {} if args.logprobs is None else {"logprobs": args.logprobs}
+    if args.penalties:
+        sampling.update(PENALTIES)
+    try:  # a bad --logprobs fails here, before a model loads
+        SamplingParams(**sampling)
+    except ValueError as err:
+        parser.error(str(err))
+    ours, llm = run_nanovllm(path, load_format, work, sampling, **options)
     results = {
         "command": "python -m nanovllm.bench " + " ".join(sys.argv[1:]),
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
@@ -335,6 +371,7 @@ def main() -> None:
         "attention_backend": llm.engine.runner.backend.name,
         "cuda_graphs": bool(getattr(llm.engine.runner, "graphs", None)),
         "async_scheduling": llm.config.async_scheduling,
+        **({"sampling": sampling} if sampling else {}),  # only with --logprobs / --penalties
         **llm.engine.stats.summary(),
     }
     if device == "cuda":
@@ -357,7 +394,7 @@ def main() -> None:
             work = Workload(
                 work.prompts[: args.peer_requests], work.output_lens[: args.peer_requests]
             )
-            ours, llm = run_nanovllm(path, load_format, work, **options)
+            ours, llm = run_nanovllm(path, load_format, work, sampling, **options)
             free(llm)
             results.update(
                 subset_requests=len(work.prompts),

@@ -51,8 +51,13 @@ class IncrementalDetokenizer:
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
         skip_special_tokens: bool = True,
+        min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
+        # A stop string counts only once it ends in the text of token number min_tokens or
+        # later (vLLM's rule: before that the request may not stop).
+        self.min_tokens = min_tokens
+        self._num_pushed = 0
         self.stop = tuple(stop)
         self.include_stop_str_in_output = include_stop_str_in_output
         self.skip_special_tokens = skip_special_tokens
@@ -71,12 +76,17 @@ class IncrementalDetokenizer:
         token_ids = list(token_ids)
         if self.tokenizer is None or self.stop_reason is not None or not token_ids:
             return ""  # (an empty push must not slide the window: the context would be lost)
+        unsearched = self.min_tokens - 1 - self._num_pushed  # tokens before stops count
+        if 0 < unsearched < len(token_ids):  # as if pushed one by one: split at the boundary
+            return self.push(token_ids[:unsearched]) + self.push(token_ids[unsearched:])
+        self._num_pushed += len(token_ids)
         self._window += token_ids
         new = self._read_new_text()
         if not new:
             return ""
         self._held += new
-        cut = self._find_stop(len(self._held) - len(new))
+        searching = self._num_pushed >= self.min_tokens
+        cut = self._find_stop(len(self._held) - len(new)) if searching else None
         if cut is not None:
             self._held = self._held[:cut]  # settle everything up to the cut
         else:

@@ -161,7 +161,8 @@ class RequestStream:
         self._output: RequestOutput | None = None
         self._error: BaseException | None = None
         self._detokenizer = IncrementalDetokenizer(
-            tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
+            tokenizer, params.stop, params.include_stop_str_in_output,
+            params.skip_special_tokens, params.min_tokens,
         )
         self._read_to_end = False  # a second iteration then ends at once instead of blocking
 

@@ -154,6 +154,17 @@ class SamplingParams:
     of a matched stop string is cut from the output unless ``include_stop_str_in_output``,
     and special tokens are left out of the text when ``skip_special_tokens``.
 
+    vLLM's other request-level settings (``nanovllm/layers/logits_processors.py`` has the
+    formulas and the order): ``n`` samples of the prompt (each a ``CompletionOutput``; with
+    a seed, sample i uses seed + i); ``logprobs=k``, the chosen token's log-probability and
+    rank plus the k most likely, per generated token, and ``prompt_logprobs=k`` the same per
+    prompt token (from the model's raw distribution unless the engine's ``logprobs_mode``
+    says otherwise); ``repetition_penalty`` (over prompt and output, > 1 discourages),
+    ``presence_penalty`` and ``frequency_penalty`` (OpenAI's, over the output);
+    ``min_tokens``, before which EOS, stop token ids and stop strings do not end the
+    request; ``logit_bias`` ({token id: bias}, clamped to +-100), ``allowed_token_ids`` and
+    ``bad_words`` (never generated, as spelled or after a space).
+
     The last three fields only steer scheduling (``nanovllm.engine.policies``, chapter 06):
     ``deadline`` for ``"priority"``, ``user`` for ``"fair"`` and ``request_class`` for
     ``"mixed"``; they never change which tokens are chosen. A request's ``priority`` is not

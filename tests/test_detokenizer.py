@@ -203,3 +203,27 @@ def test_random_ids_even_invalid_utf8_decode_like_a_full_decode(tok, ids, skip):
     pieces = [detok.push([t]) for t in ids]
     full = tok.decode(ids, skip_special_tokens=skip)
     assert detok.text == full and "".join(pieces) + detok.finish(full) == full
+
+
+@pytest.mark.parametrize("min_tokens", [0, 1, 3, 6, 40])
+def test_min_tokens_ignores_stops_that_end_before_it_in_any_chunking(tok, min_tokens):
+    """A stop string counts only if it ends in the text of token number ``min_tokens`` or
+    later: the same cut whether the tokens come one by one or all at once."""
+    ids = tok.encode("a. b. c. d. e. f. g.", add_special_tokens=False)
+    cuts = set()
+    for chunks in ([[t] for t in ids], [ids], [ids[:2], ids[2:7], ids[7:]]):
+        detokenizer = IncrementalDetokenizer(tok, ["."], min_tokens=min_tokens)
+        for chunk in chunks:
+            detokenizer.push(chunk)
+        cuts.add((detokenizer.text, detokenizer.stop_reason))
+    assert len(cuts) == 1
+    text, reason = cuts.pop()
+    reference = IncrementalDetokenizer(tok, ["."])
+    for i, t in enumerate(ids):  # one by one, searching only from token min_tokens on
+        if i + 1 >= min_tokens:
+            reference.push([t])
+        else:
+            reference.stop = ()  # not yet searching...
+            reference.push([t])
+            reference.stop = (".",)  # ...then searching again
+    assert (text, reason) == (reference.text, reference.stop_reason)

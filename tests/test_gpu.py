@@ -102,3 +102,81 @@ def test_bf16_logits_close_to_fp32_transformers(smollm2_shaped, fused):
         expected = hf(ids[None]).logits[0]
     rel = (logits - expected).norm() / expected.norm()
     assert rel < 2e-2, f"relative error {rel:.3g}"
+
+
+def _hf_greedy(hf, prompt: list[int], n: int, **kwargs) -> list[int]:
+    ids = torch.tensor([prompt], device="cuda")
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                          do_sample=False, eos_token_id=None, pad_token_id=0, **kwargs)
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_fp32_penalties_and_logprobs_match_transformers_with_graphs(
+    smollm2_shaped, async_scheduling
+):
+    """The repetition penalty reads each request's newest token, which under async
+    scheduling is still on the device when the next step's penalties are built."""
+    hf, path = smollm2_shaped
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 49152, (n,), generator=gen).tolist() for n in (9, 40, 130)]
+    llm = LLM(path, dtype="float32", attention_backend="triton", kv_cache_memory=1 << 30,
+              async_scheduling=async_scheduling)
+    params = SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3, logprobs=4)
+    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+        assert out.token_ids == _hf_greedy(hf, prompt, 12, repetition_penalty=1.3)
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=4)
+    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+        ids = torch.tensor([prompt + out.token_ids], device="cuda")
+        with torch.no_grad():
+            expected = hf(ids).logits[0, len(prompt) - 1 : -1].log_softmax(-1)
+        for i, (token, entry) in enumerate(zip(out.token_ids, out.outputs[0].logprobs)):
+            assert abs(entry[token].logprob - expected[i, token].item()) < 1e-3
+            assert entry[token].rank == 1  # greedy
+
+
+def test_async_scheduling_changes_no_token_with_sampling_features(smollm2_shaped):
+    _, path = smollm2_shaped
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 49152, (n,), generator=gen).tolist() for n in range(5, 300, 37)]
+    params = [
+        SamplingParams(
+            temperature=0.8, seed=i, max_tokens=10 + 3 * i, ignore_eos=True, n=1 + i % 3,
+            presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2,
+            logit_bias={i: 2.0}, min_tokens=4, logprobs=3,
+        )
+        for i in range(len(prompts))
+    ]
+    outs = {}
+    for mode in (False, True):
+        llm = LLM(path, max_num_batched_tokens=512, kv_cache_memory=1 << 30, async_scheduling=mode)
+        outs[mode] = [
+            [c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)
+        ]
+    assert outs[True] == outs[False]
+
+
+def test_sampling_features_launch_without_a_host_sync(smollm2_shaped, monkeypatch):
+    """Penalties, bias, bans, logprobs and prompt logprobs are queued on the device: a
+    launch never waits for it (with async scheduling the CPU must run ahead)."""
+    _, path = smollm2_shaped
+    llm = LLM(path, kv_cache_memory=1 << 30, async_scheduling=True)
+    params = SamplingParams(
+        temperature=0.7, seed=1, max_tokens=12, repetition_penalty=1.2, presence_penalty=0.5,
+        logit_bias={5: 1.0}, allowed_token_ids=list(range(100, 5000)), min_tokens=3,
+        logprobs=5, prompt_logprobs=2,
+    )
+    llm.generate([[1, 2, 3, 4] * 10], params, use_tqdm=False)  # warm-up: graphs, allocator
+    runner, launch = llm.engine.runner, llm.engine.runner.launch
+
+    def checked(batch):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(runner, "launch", checked)
+    outs = llm.generate([[1, 2, 3, 4] * 10, [7, 8, 9] * 20], params, use_tqdm=False)
+    assert all(len(o.token_ids) == 12 and o.prompt_logprobs[1] is not None for o in outs)

@@ -211,6 +211,17 @@ def test_frequency_and_presence_follow_openai(seed, lists, extra_padding):
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_padding_never_counts():
+    pen = dict(repetition=2.0, frequency=1.0, presence=1.0)
+    rows = [Row([], [], **pen), Row([5], [], **pen), Row([], [6], **pen)]
+    logits = fresh_logits(len(rows), 3)
+    logits[:, 0] = -1.0  # where clamped padding would land
+    got = process_logits(logits.clone(), pack(rows, extra_padding=3))
+    changed = {(r, t) for r, t in (got != logits).nonzero().tolist()}
+    assert changed == {(1, 5), (2, 6)}
+    torch.testing.assert_close(got, reference(logits, rows))
+
+
 def test_bad_sequences_edge_cases():
     rows = [
         Row(prompt=[7, 8], output=[1, 2, 3], bad_words=[[2, 3, 10], [1, 2, 11], [3, 12]]),
@@ -261,6 +272,7 @@ def test_rank_of_a_tie_is_its_worst_place_as_in_vllm():
 
 
 @pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype")
 @pytest.mark.parametrize("seed", range(6))
 def test_cuda_matches_cpu_without_host_sync(seed):
     rows = random_rows(seed)

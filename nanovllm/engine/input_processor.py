@@ -131,7 +131,8 @@ class InputProcessor:
             return [first]
         samples = []
         for i in range(params.n):
-            seed = None if params.seed is None else params.seed + i
+            # modulo 2**64, as a generator reads a seed: the largest seed too has n samples
+            seed = None if params.seed is None else (params.seed + i) % 2**64
             prompt_logprobs = params.prompt_logprobs if i == 0 else None
             child = replace(params, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
             seq = Sequence(first.token_ids, child, f"{i}_{first.request_id}", first.prompt,

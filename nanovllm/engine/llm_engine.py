@@ -200,8 +200,8 @@ class LLMEngine:
                 continue  # ended while this step ran (its token is dropped), or mid-prompt
             try:
                 outputs.append(self._apply_token(seq, token, now))
-                if seq.params.logprobs is not None:
-                    outputs[-1].new_logprobs = [in_flight.token_logprobs(row, token)]
+                if (k := seq.params.logprobs) is not None:
+                    outputs[-1].new_logprobs = [in_flight.token_logprobs(row, token, k)]
             except Exception as err:  # e.g. its stop check: this request's problem alone
                 outputs.append(self._finish(seq, "error", error=_describe(err)))
         return outputs
@@ -250,17 +250,17 @@ class LLMEngine:
         """``(finish_reason, stop_reason)`` if ``seq`` ends at ``token``, its ``length``-th
         token; else None. EOS and stop tokens first, then stop strings, then length."""
         params = seq.params
-        if length - seq.num_prompt_tokens < params.min_tokens:
-            return None  # (EOS and stop ids were banned from sampling meanwhile)
-        if not params.ignore_eos and token in self.eos_token_ids:
+        # Before min_tokens nothing stops it (EOS and stop ids are banned from sampling then).
+        may_stop = length - seq.num_prompt_tokens >= params.min_tokens
+        if may_stop and not params.ignore_eos and token in self.eos_token_ids:
             return "stop", None
-        if token in params.stop_token_ids:
+        if may_stop and token in params.stop_token_ids:
             return "stop", token
         if params.stop and self.tokenizer is not None:
             if seq.detokenizer is None:  # only requests with stop strings need text here
                 seq.detokenizer = IncrementalDetokenizer(
                     self.tokenizer, params.stop, params.include_stop_str_in_output,
-                    params.skip_special_tokens,
+                    params.skip_special_tokens, params.min_tokens,
                 )
             seq.detokenizer.push([token])
             if seq.detokenizer.stop_reason is not None:

@@ -62,13 +62,13 @@ class InFlight:
     # with prompt_logprobs: (sequence, first prompt position, compute_logprobs' tensors)
     prompt_logprobs: list[tuple] = field(default_factory=list)
 
-    def token_logprobs(self, row: int, token: int) -> tuple | None:
-        """``(token, logprob, rank, top ids, top logprobs)`` of sampled row ``row``."""
-        if not self.logprobs:
-            return None
+    def token_logprobs(self, row: int, token: int, k: int) -> tuple:
+        """``(token, logprob, rank, top-k ids, their logprobs)`` of sampled row ``row``
+        (the step computed the largest k its requests asked for; this one asked for k)."""
         logprob, rank, top_ids, top_logprobs = self.logprobs
-        return token, logprob[row].item(), rank[row].item(), top_ids[row].tolist(), \
-            top_logprobs[row].tolist()
+        top = slice(0, k)
+        return (token, logprob[row].item(), rank[row].item(), top_ids[row, top].tolist(),
+                top_logprobs[row, top].tolist())
 
 
 class ModelRunner:
@@ -310,7 +310,7 @@ class ModelRunner:
         """Logprobs of the prompt tokens after ``positions`` (the rows from ``first_row``):
         the raw distribution there, scored against the prompt's next token."""
         rows = slice(first_row, first_row + len(positions))
-        targets = torch.as_tensor([seq.token_ids[p + 1] for p in positions], device=self.device)
+        targets = self._to_device([seq.token_ids[p + 1] for p in positions], torch.int64)
         pieces = []
         for start in range(0, len(positions), PROMPT_LOGPROB_ROWS):  # bounded memory
             part = slice(start, start + PROMPT_LOGPROB_ROWS)

@@ -95,7 +95,7 @@ class RequestState:
         params, last = self.params, sample.last
         detokenizer = IncrementalDetokenizer(
             self.tokenizer, params.stop, params.include_stop_str_in_output,
-            params.skip_special_tokens,
+            params.skip_special_tokens, params.min_tokens,
         )
         detokenizer.push(sample.token_ids)
         with_logprobs = params.logprobs is not None

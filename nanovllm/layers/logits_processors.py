@@ -9,8 +9,8 @@ Each rule edits the raw scores ``l[r, v]`` of row r (one request) and token v:
   words.
 * **bad sequences** (vLLM's ``bad_words`` rule for words of several tokens ``w_1..w_n``):
   ban ``w_n`` when the row's last ``n - 1`` generated tokens are ``w_1..w_{n-1}``. Only
-  generated tokens count, so a prefix longer than the output never matches, and the word
-  can still be completed across the prompt/output boundary, as in vLLM.
+  generated tokens count (as in vLLM): a prefix longer than the output never matches, so
+  a word begun at the end of the prompt is not caught.
 * **logit bias** (OpenAI's ``logit_bias``): ``l[r, v] += b``. A finite bias cannot lift a
   banned token back from -inf.
 * **repetition penalty** p (Keskar et al., 2019, in the form of Hugging Face's
@@ -28,13 +28,15 @@ applies every ban (bad words and min_tokens) before the bias.
 
 Everything is batched tensor code with no host synchronisation (no ``.item()``, no
 boolean-mask indexing, no loop over rows), so it can run after a CUDA-graph replay
-under async scheduling. Token ids padded with -1 never count: they are sent to an extra
-column V of the count buffers, which is then dropped.
+under async scheduling. Token ids padded with -1 never count. Only the token counts of
+the frequency and presence penalties take a [B, V] buffer; the other rules touch just the
+listed tokens (gather, then scatter or index_put).
 
-A row whose every token ends at -inf (say its allowed tokens are all banned) is left that
-way: its softmax is NaN and the token drawn from it is meaningless. Requests that can do
-this are rejected when their parameters are checked; guarding here would hide that error
-and cost a full [B, V] reduction on every step.
+A row whose every token ends at -inf (say its allowed tokens are all banned by min_tokens
+or bad words) is left that way: its softmax is NaN and the token drawn from it is
+meaningless. The engine must never build such a row (it is a contradiction in the
+request, to reject when the request arrives); no guard here, since a guard would hide that
+bug and cost a full [B, V] reduction on every step.
 """
 
 from __future__ import annotations
@@ -90,10 +92,11 @@ def process_logits(logits: torch.Tensor, t: LogitsProcessingTensors) -> torch.Te
 
 
 def _keep_only_allowed(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor) -> None:
-    # Drop whole listed rows, then take their listed tokens back out of the drop mask.
-    drop = torch.zeros_like(logits, dtype=torch.bool).index_fill_(0, rows, True)
-    drop.index_put_((rows, tokens), drop.new_zeros(()))
-    logits.masked_fill_(drop, NEG_INF)
+    # Save the listed logits, wipe the listed rows, write the saved ones back: no [B, V] mask.
+    kept = logits[rows, tokens]
+    restricted = torch.zeros_like(logits[:, 0], dtype=torch.bool).index_fill_(0, rows, True)
+    logits.masked_fill_(restricted[:, None], NEG_INF)
+    logits.index_put_((rows, tokens), kept)
 
 
 def _ban_bad_sequences(
@@ -119,28 +122,39 @@ def _ban_bad_sequences(
     logits.index_put_((rows, last_tokens), penalty, accumulate=True)
 
 
-def _pad_to_column_v(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Padding (-1) -> V, the extra column that the count buffers drop."""
-    return ids.masked_fill(ids < 0, vocab_size)
-
-
 def _apply_penalties(logits: torch.Tensor, t: LogitsProcessingTensors) -> None:
-    batch, vocab = logits.shape
     if t.repetition_penalty is not None:
-        seen = logits.new_zeros(batch, vocab + 1, dtype=torch.bool)
-        for ids in (t.prompt_ids, t.output_ids):
-            if ids is not None:
-                seen.scatter_(1, _pad_to_column_v(ids, vocab), True)
-        p = t.repetition_penalty[:, None]
-        # Divide, not multiply by 1/p: bit-identical to Hugging Face's processor.
-        penalised = torch.where(logits > 0, logits / p, logits * p)
-        torch.where(seen[:, :vocab], penalised, logits, out=logits)
+        _apply_repetition_penalty(logits, t.prompt_ids, t.output_ids, t.repetition_penalty)
     if t.frequency_penalty is None and t.presence_penalty is None:
         return
-    idx = _pad_to_column_v(t.output_ids, vocab)
-    ones = torch.ones_like(idx, dtype=logits.dtype)
-    counts = logits.new_zeros(batch, vocab + 1).scatter_add_(1, idx, ones)[:, :vocab]
+    # counts[r, v]: how often row r generated v. Padding (-1) adds 0 to token 0.
+    ids = t.output_ids
+    counts = torch.zeros_like(logits).scatter_add_(1, ids.clamp(min=0), (ids >= 0).to(logits))
+    # In place (addcmul_, clamp_): no new [B, V] tensors beyond the counts.
     if t.frequency_penalty is not None:
-        logits.sub_(counts * t.frequency_penalty[:, None])
+        logits.addcmul_(counts, t.frequency_penalty[:, None], value=-1)
     if t.presence_penalty is not None:
-        logits.sub_((counts > 0) * t.presence_penalty[:, None])
+        logits.addcmul_(counts.clamp_(max=1), t.presence_penalty[:, None], value=-1)
+
+
+def _apply_repetition_penalty(
+    logits: torch.Tensor,
+    prompt_ids: torch.Tensor | None,
+    output_ids: torch.Tensor | None,
+    penalty: torch.Tensor,
+) -> None:
+    """Gather the seen tokens' logits, penalise them, scatter them back (as Hugging Face does).
+
+    A token seen several times is written several times with the same value. Padding is
+    pointed at the row's largest id, a seen token, so it rewrites that token's value too;
+    a row that has seen nothing gets p = 1 and writes its token 0 back unchanged.
+    """
+    ids = torch.cat([x for x in (prompt_ids, output_ids) if x is not None], dim=1)
+    if ids.shape[1] == 0:  # no row has seen a token yet
+        return
+    largest = ids.max(dim=1, keepdim=True).values
+    p = torch.where(largest >= 0, penalty[:, None], 1.0)
+    ids = torch.where(ids >= 0, ids, largest).clamp(min=0)
+    seen = logits.gather(1, ids)
+    # Divide, not multiply by 1/p: bit-identical to Hugging Face's processor.
+    logits.scatter_(1, ids, torch.where(seen > 0, seen / p, seen * p))
