@@ -32,14 +32,21 @@
 #
 # The second half turns logits into tokens: greedy decoding, temperature, top-k, top-p, min-p,
 # and the Gumbel-max trick the engine samples with. We check the sampler's frequencies against
-# the probabilities it claims to sample from, draw how each knob reshapes a real next-token
-# distribution, and finally switch the knobs on in the engine with per-request seeds.
+# the probabilities it claims to sample from and draw how each knob reshapes a real next-token
+# distribution. Then come the two other things a request can ask of the sampling step: the
+# **log-probabilities** the engine reports (of each token and its alternatives, of a whole
+# completion, of the prompt, and the perplexity they give), and the rules that edit the logits
+# before sampling (**repetition, frequency and presence penalties, logit bias, allowed tokens,
+# bad words and `min_tokens`**), each checked against a small version of our own. Finally we
+# switch all of it on in the engine, with per-request seeds.
 #
 # **Package modules taught here:** `nanovllm/models/llama.py`, `nanovllm/models/qwen3.py`,
 # `nanovllm/models/model_config.py`, `nanovllm/layers/norm.py`, `nanovllm/layers/rotary.py`,
 # `nanovllm/layers/activation.py`, `nanovllm/layers/linear.py`, `nanovllm/layers/embed_head.py`,
 # `nanovllm/layers/torch_attention.py` (its `causal_attention`), `nanovllm/weights/loader.py`,
-# `nanovllm/layers/sampler.py` and `nanovllm/sampling_params.py`.
+# `nanovllm/layers/sampler.py`, `nanovllm/layers/logits_processors.py`,
+# `nanovllm/sampling_params.py`, `nanovllm/engine/sampling_metadata.py` and the `Logprob`
+# entries of `nanovllm/outputs.py`.
 
 # %% [markdown]
 # ## Setup
@@ -1078,9 +1085,10 @@ with torch.no_grad(), attention_metadata(None):
     Z_prompt = model.compute_logits(model(prompt_ids, torch.arange(len(prompt_ids))))  # [T, vocab]
 prompt_rows, targets = log_softmax_small(Z_prompt[:-1]), prompt_ids[1:]  # row t -> token t+1
 ours_logprob = prompt_rows.gather(-1, targets[:, None]).squeeze(-1)
-ours_rank = torch.tensor([rank_small(r, t) for r, t in zip(prompt_rows, targets.tolist())])
-pkg_logprob, pkg_rank, pkg_top_ids, pkg_top = compute_logprobs(Z_prompt[:-1].log_softmax(-1),
-                                                               targets, 3)
+pkg_rows = Z_prompt[:-1].log_softmax(-1)
+pkg_logprob, pkg_rank, pkg_top_ids, pkg_top = compute_logprobs(pkg_rows, targets, 3)
+# ranks on the same rows (on different rows, a tie within rounding could move a rank by one)
+ours_rank = torch.tensor([rank_small(r, t) for r, t in zip(pkg_rows, targets.tolist())])
 check("prompt logprobs: ours vs compute_logprobs", ours_logprob, pkg_logprob, 1e-4)
 print("ranks identical:", torch.equal(ours_rank, pkg_rank))
 print("top-3 tokens identical:", torch.equal(prompt_rows.topk(3).indices, pkg_top_ids))
@@ -1236,10 +1244,10 @@ from nanovllm.layers.logits_processors import LogitsProcessingTensors, process_l
 show_source(inspect.getmodule(process_logits))
 
 # %% [markdown]
-# `process_logits` edits a batch of rows in place, each row with its own settings, and touches
-# only the listed tokens of each rule except for the token counts of the frequency and presence
-# penalties. Our small version handles one row, rule by rule, in the same order. A setting is a
-# dict: `repetition`, `frequency`, `presence`, `bias` (`{token: b}`), `allowed` and `banned`
+# `process_logits` edits a batch of rows in place, each row with its own settings, with no loop
+# over rows and no wait for the host, so the engine runs it on the device between the LM head
+# and the sampler. Our small version handles one row, rule by rule, in the same order. A row's rules
+# are a dict: `repetition`, `frequency`, `presence`, `bias` (`{token: b}`), `allowed` and `banned`
 # (token lists) and `bad_sequences` (token lists of several tokens):
 
 # %%
@@ -1294,7 +1302,8 @@ def processing_tensors(rules: list[dict], prompt: list[int], generated: list[int
     )
     listed = lambda key: [(row, token) for row, r in enumerate(rules)  # noqa: E731
                           for token in r.get(key, ())]
-    if bias := [(row, tok, b) for row, r in enumerate(rules) for tok, b in r.get("bias", {}).items()]:
+    bias = [(row, tok, b) for row, r in enumerate(rules) for tok, b in r.get("bias", {}).items()]
+    if bias:
         rows, tokens, values = zip(*bias)
         t.bias = (torch.tensor(rows), torch.tensor(tokens), torch.tensor(values))
     if allowed := listed("allowed"):
@@ -1344,7 +1353,8 @@ rules = list(RULES.values())
 processed = process_logits(z_rep.expand(len(rules), -1).clone(),
                            processing_tensors(rules, seen_prompt, generated))
 ours = torch.stack([process_small(z_rep, seen_prompt, generated, **r) for r in rules])
-print(f"process_logits vs process_small, {len(rules)} rows: identical", torch.equal(processed, ours))
+print(f"process_logits vs process_small, {len(rules)} rows: identical",
+      torch.equal(processed, ours))
 print("the row with no rule comes back unchanged:", torch.equal(processed[0], z_rep))
 
 # %% [markdown]
@@ -1389,10 +1399,16 @@ print("order matters: bias then repetition penalty differs from the reverse:",
 probs_rule = processed.softmax(-1)  # temperature 1
 order12 = z_rep.topk(12).indices
 seen = set(seen_prompt + generated)
+leader = {title: int(probs.argmax()) for title, probs in zip(RULES, probs_rule)}
 for title, probs in zip(RULES, probs_rule):
-    leader = int(probs.argmax())
     print(f"{title:26s} p(\u2423cat) = {probs[cat].item():.3f}  p(\u2423dog) = "
-          f"{probs[dog].item():.3f}  most likely: {tokenizer.decode(leader)!r}")
+          f"{probs[dog].item():.3f}  most likely: {tokenizer.decode(leader[title])!r}")
+by_rule = dict(zip(RULES, processed))  # (the assertions keep the text below honest)
+assert leader["repetition_penalty = 1.5"] not in seen and leader[list(RULES)[4]] == mouse
+presence_row = by_rule["presence_penalty = 1.0"]
+frequency_row = by_rule["frequency_penalty = 0.5"]
+assert presence_row[dog] == frequency_row[dog] == z_rep[dog]  # never generated: untouched
+assert frequency_row[cat] < presence_row[cat]
 
 # %%
 labels12 = [repr(tokenizer.decode(i))[1:-1].replace(" ", "\u2423") for i in order12]
@@ -1430,7 +1446,8 @@ plt.show()
 # `␣dog` was never *generated*, so for them it is new. `␣cat` was generated several times, so
 # the frequency penalty, charged per occurrence, costs it more than the presence penalty's flat
 # fee here. A bias of +5 multiplies a token's odds by $e^5$, enough to make `␣mouse` the
-# favourite, and the bad word removes `␣cat`, handing most of its probability to `␣dog`.
+# favourite. The bad word removes `␣cat`, and the softmax shares its probability among the
+# other tokens in proportion to theirs, so `␣dog`, already second, gains the most.
 #
 # **What `processed_logprobs` would report** for this step is the log-softmax of these rows
 # (each at temperature 1), not of the raw logits. For `␣cat`:
@@ -1679,14 +1696,15 @@ for i, position in overruled[:3]:
     best = max(position.values(), key=lambda e: e.logprob)
     chosen = position[banned_out.token_ids[i]]
     print(f"  position {i}: chose {chosen.decoded_token!r} (raw rank {chosen.rank}, logprob "
-          f"{chosen.logprob:.2f}); the model's first choice {best.decoded_token!r} ({best.logprob:.2f})")
+          f"{chosen.logprob:.2f}); the model's first choice {best.decoded_token!r} "
+          f"({best.logprob:.2f})")
 
 # %% [markdown]
 # ## Exercises
 #
 # Each exercise is a function to write; the cell after it checks your version against the
-# package (or a statistical reference) on fresh random inputs. The cells are self-contained:
-# run them in any order.
+# package, a statistical reference, or values computed once with an independent float64
+# reference and frozen in the check. The cells are self-contained: run them in any order.
 #
 # **Exercise 1 — RMSNorm.** Write `rms_norm(x, weight, eps)`: normalise the last dimension of
 # `x` by its root mean square, computing the statistic in fp32 whatever the dtype of `x`,
@@ -1839,6 +1857,118 @@ assert not torch.equal(tokens, other), "all randomness must come from the genera
 print("Exercise 4 passed: frequencies match softmax(logits) within 0.01 over 60,000 draws")
 
 # %% [markdown]
+# **Exercise 5 — repetition penalty.** Write `apply_repetition_penalty(logits, seen_token_ids,
+# penalty)` for one row of logits `[V]` (section 2.6): return a new tensor in which every token
+# of `seen_token_ids` (a list that may hold a token several times; it is penalised once) has its
+# logit divided by `penalty` if it is positive and multiplied by `penalty` otherwise. The input
+# must not change.
+
+# %% tags=["exercise"]
+import torch
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen_token_ids: list[int],
+                             penalty: float) -> torch.Tensor:
+    """z / penalty where z > 0, else z * penalty, for the seen tokens of one row [V]."""
+    # BEGIN SOLUTION
+    seen = torch.zeros_like(logits, dtype=torch.bool)
+    seen[torch.tensor(seen_token_ids, dtype=torch.long)] = True
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalised, logits)
+    # END SOLUTION
+
+
+# %% tags=["check"]
+import torch
+
+# fixed inputs; expected values computed once with a float64 NumPy reference, then frozen
+logits = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.5, 0.0, 1.25, -0.75])
+before = logits.clone()
+seen = [3, 1, 3, 5, 6, 1]  # tokens 3 and 1 twice: penalised once
+frozen = {
+    1.5: [2.0, -1.5, 0.5, 2.0, -2.5, 0.0, 0.8333333333333334, -0.75],
+    0.8: [2.0, -0.8, 0.5, 3.75, -2.5, 0.0, 1.5625, -0.75],  # penalty < 1 favours repetition
+}
+for penalty, expected in frozen.items():
+    out = apply_repetition_penalty(logits, seen, penalty)
+    assert out.shape == logits.shape, f"shape {tuple(out.shape)}, expected {tuple(logits.shape)}"
+    torch.testing.assert_close(out, torch.tensor(expected), atol=1e-6, rtol=1e-6,
+                               msg=lambda m: f"penalty {penalty}: {m}")
+assert torch.equal(logits, before), "the input logits must not change"
+gen = torch.Generator().manual_seed(105)
+for _ in range(20):
+    z = torch.randn(300, generator=gen) * 4
+    ids = torch.randint(0, 300, (40,), generator=gen).tolist()
+    assert torch.equal(apply_repetition_penalty(z, ids, 1.0), z), "penalty 1 must change nothing"
+    out = apply_repetition_penalty(z, ids, 1.7)
+    is_seen = torch.zeros(300, dtype=torch.bool)
+    is_seen[ids] = True
+    assert torch.equal(out[~is_seen], z[~is_seen]), "tokens never seen must keep their logits"
+    assert (out[is_seen] <= z[is_seen]).all(), "with penalty > 1 no seen logit may grow"
+    # so the unseen tokens together never lose probability, and a lone seen token never gains
+    assert out.softmax(-1)[~is_seen].sum() >= z.softmax(-1)[~is_seen].sum() - 1e-6
+    lone = ids[0]
+    assert apply_repetition_penalty(z, [lone], 1.7).softmax(-1)[lone] <= z.softmax(-1)[lone] + 1e-7
+print("Exercise 5 passed: apply_repetition_penalty matches the frozen values and the properties")
+
+# %% [markdown]
+# **Exercise 6 — logprob and rank.** Write `logprob_and_rank(logits, token)` for one row of
+# logits `[V]` (section 2.5): return the token's log-probability under `softmax(logits)`, as a
+# float, and its rank, as an int: the number of tokens at least as likely as it, itself included
+# (1 = the most likely; a token tied with others gets the worst rank of its tie). It must stay
+# finite for very unlikely tokens, where the log of the softmax underflows to $-\infty$.
+
+# %% tags=["exercise"]
+import torch
+
+
+def logprob_and_rank(logits: torch.Tensor, token: int) -> tuple[float, int]:
+    """(log softmax(logits)[token], number of tokens with a logprob >= the token's)."""
+    # BEGIN SOLUTION
+    logprobs = logits.float().log_softmax(dim=-1)
+    return float(logprobs[token]), int((logprobs >= logprobs[token]).sum())
+    # END SOLUTION
+
+
+# %% tags=["check"]
+import math
+
+import torch
+
+# a fixed seeded row; expected values computed once in float64 with math.fsum, then frozen
+logits = torch.randn(1000, generator=torch.Generator().manual_seed(106)) * 3
+frozen = {  # token: (logprob, rank)
+    0: (-9.143116282481172, 331),
+    17: (-11.637875007647493, 651),
+    500: (-3.776606487292268, 6),
+    999: (-7.897850202578523, 205),
+    407: (-2.314922260302522, 1),
+}
+for token, (expected_logprob, expected_rank) in frozen.items():
+    logprob, rank = logprob_and_rank(logits, token)
+    assert math.isclose(logprob, expected_logprob, abs_tol=1e-4), (
+        f"token {token}: logprob {logprob}, expected {expected_logprob:.6f}")
+    assert rank == expected_rank, f"token {token}: rank {rank}, expected {expected_rank}"
+# sharper (temperature 1/40): these probabilities underflow in fp32, the logprobs must not
+for token, expected_logprob in {0: -273.12775543914495, 17: -372.91810349212346}.items():
+    logprob, rank = logprob_and_rank(logits * 40, token)
+    assert math.isfinite(logprob), f"token {token} of logits * 40: logprob {logprob}, not finite"
+    assert math.isclose(logprob, expected_logprob, rel_tol=1e-5), (
+        f"token {token} of logits * 40: logprob {logprob}, expected {expected_logprob:.4f}")
+    assert rank == frozen[token][1], "scaling the logits by 40 keeps the order, hence the rank"
+assert logprob_and_rank(logits, int(logits.argmax()))[1] == 1, "the arg-max has rank 1"
+shifted, _ = logprob_and_rank(logits + 1000.0, 500)  # exp(1000) overflows: keep it stable
+assert math.isclose(shifted, frozen[500][0], abs_tol=1e-3), (
+    f"adding a constant to every logit must not change a logprob: {shifted}")
+tie = torch.tensor([1.0, 3.0, 3.0, 0.0])
+assert logprob_and_rank(tie, 1)[1] == logprob_and_rank(tie, 2)[1] == 2, "a tie takes its worst rank"
+assert math.isclose(logprob_and_rank(tie, 1)[0], -0.7816718231374824, abs_tol=1e-6)
+total = sum(math.exp(logprob_and_rank(logits[:50], t)[0]) for t in range(50))
+assert math.isclose(total, 1.0, abs_tol=1e-5), f"the probabilities must sum to 1, got {total}"
+print("Exercise 6 passed: logprob_and_rank matches the frozen values, also where softmax "
+      "underflows")
+
+# %% [markdown]
 # ## Summary
 #
 # - A Llama-family decoder is an embedding, a stack of identical layers
@@ -1856,11 +1986,27 @@ print("Exercise 4 passed: frequencies match softmax(logits) within 0.01 over 60,
 #   Loaded into the package's model, SmolLM2 gives the same logits as `transformers` up to fp32
 #   rounding, and the same greedy token at every position.
 # - Sampling: temperature reshapes, top-k / top-p / min-p truncate (in the package, top-k
-#   first, then top-p and min-p on the renormalised survivors, from a single sort), and the **Gumbel-max exponential race**
-#   `argmax(p / E)` draws from the result with no cumulative sum. Frequencies over 200,000
-#   draws match the probabilities, and filtered tokens never appear.
+#   first, then top-p and min-p on the renormalised survivors, from a single sort), and the
+#   **Gumbel-max exponential race** `argmax(p / E)` draws from the result with no cumulative
+#   sum. Frequencies over 200,000 draws match the probabilities, and filtered tokens never
+#   appear.
+# - **Logprobs** are the log-softmax of the logits, computed in the stable form (subtract the
+#   maximum) because the log of an underflowed probability is $-\infty$. Per position the
+#   engine reports the chosen token's logprob and rank and the top-$k$ alternatives
+#   (`compute_logprobs`, on the device); their sum, the **cumulative logprob**, is the
+#   log-probability of the whole completion; **prompt logprobs** score a given text, and
+#   $\exp(-\text{mean})$ of them is its **perplexity**. By default they describe the model's raw
+#   distribution; `logprobs_mode="processed_logprobs"` reports the distribution after the
+#   logits processors and the temperature (not after top-k/top-p/min-p).
+# - **Logits processors** edit chosen tokens' logits before sampling, in vLLM's order: allowed
+#   tokens, bans (bad words, `min_tokens`), logit bias, then the repetition penalty (divides a
+#   positive logit, multiplies a negative one, for every token of the prompt and output) and the
+#   OpenAI frequency and presence penalties (per generated occurrence, and once). The package's
+#   `process_logits` does it for a whole batch, each row with its own rules, and matches our
+#   one-row version bit for bit.
 # - In the engine, `SamplingParams` set all this per request; a `seed` gives a request its own
-#   generator, so its output is reproducible whatever else shares the batch.
+#   generator, so its output is reproducible whatever else shares the batch. A repetition
+#   penalty breaks a greedy loop that a ban merely moves to another word.
 #
 # Next, chapter 02 opens up the one piece we used as a black box: attention itself, from the
 # naive formula to the tiled online-softmax kernel.

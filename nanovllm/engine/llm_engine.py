@@ -210,16 +210,14 @@ class LLMEngine:
         """Reports of the prompt logprobs this step computed, each position once (a
         preempted request computes its prompt again)."""
         outputs = []
-        for seq, first, (logprob, rank, top_ids, top_logprobs) in in_flight.prompt_logprobs:
+        for seq, first, tensors in in_flight.prompt_logprobs:
+            logprob, rank, top_ids, top_logprobs = (t.tolist() for t in tensors)
             entries = []
             for i, position in enumerate(range(first, first + len(logprob))):
                 if seq.is_finished or position + 1 < seq.num_prompt_logprobs_sent:
                     continue
                 token = seq.token_ids[position + 1]
-                entries.append(
-                    (token, logprob[i].item(), rank[i].item(), top_ids[i].tolist(),
-                     top_logprobs[i].tolist())
-                )
+                entries.append((token, logprob[i], rank[i], top_ids[i], top_logprobs[i]))
                 seq.num_prompt_logprobs_sent = position + 2
             if entries:
                 out = EngineCoreOutput(seq.parent_id, [], index=seq.index)

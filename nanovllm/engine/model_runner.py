@@ -61,14 +61,15 @@ class InFlight:
     logprobs: list[torch.Tensor] = field(default_factory=list)
     # with prompt_logprobs: (sequence, first prompt position, compute_logprobs' tensors)
     prompt_logprobs: list[tuple] = field(default_factory=list)
+    _logprob_lists: list | None = field(default=None, repr=False)
 
     def token_logprobs(self, row: int, token: int, k: int) -> tuple:
         """``(token, logprob, rank, top-k ids, their logprobs)`` of sampled row ``row``
         (the step computed the largest k its requests asked for; this one asked for k)."""
-        logprob, rank, top_ids, top_logprobs = self.logprobs
-        top = slice(0, k)
-        return (token, logprob[row].item(), rank[row].item(), top_ids[row, top].tolist(),
-                top_logprobs[row, top].tolist())
+        if self._logprob_lists is None:  # once per step: a tensor op per row costs ~us each
+            self._logprob_lists = [t.tolist() for t in self.logprobs]
+        logprob, rank, top_ids, top_logprobs = self._logprob_lists
+        return token, logprob[row], rank[row], top_ids[row][:k], top_logprobs[row][:k]
 
 
 class ModelRunner:

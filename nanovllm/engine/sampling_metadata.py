@@ -32,9 +32,17 @@ class SamplingInputs:
         self.vocab_size, self.device, self.to_device = vocab_size, device, to_device
         self.eos_token_ids: set[int] = set()  # set by the engine: what min_tokens holds back
         self._generators: dict[int, torch.Generator] = {}
+        self._prompts: dict[int, np.ndarray] = {}
 
     def release(self, seq: Sequence) -> None:
         self._generators.pop(seq.seq_id, None)
+        self._prompts.pop(seq.seq_id, None)
+
+    def _prompt(self, seq: Sequence) -> np.ndarray:
+        """The prompt as an array, made once: the repetition penalty reads it every step."""
+        if seq.seq_id not in self._prompts:
+            self._prompts[seq.seq_id] = np.array(seq.token_ids[: seq.num_prompt_tokens])
+        return self._prompts[seq.seq_id]
 
     def build(
         self, seqs: list[Sequence], in_flight: tuple[torch.Tensor, dict[int, int]]
@@ -91,7 +99,7 @@ class SamplingInputs:
             t.output_ids, t.output_lens = self._outputs(seqs, penalties, sequences, in_flight)
         if any(penalties):
             t.prompt_ids = self._padded(
-                [s.token_ids[: s.num_prompt_tokens] if on else [] for s, on in zip(seqs, penalties)]
+                [self._prompt(s) if on else [] for s, on in zip(seqs, penalties)]
             )
             t.presence_penalty, t.frequency_penalty, t.repetition_penalty = self.to_device(
                 [[p.presence_penalty for p in params], [p.frequency_penalty for p in params],
@@ -152,7 +160,7 @@ class SamplingInputs:
         rows, lengths, last = self._ids([rows, lengths, last])
         return rows, prefix_ids, lengths, last
 
-    def _padded(self, rows: list[list[int]]) -> torch.Tensor:
+    def _padded(self, rows: list) -> torch.Tensor:
         width = max(1, max(map(len, rows)))
         padded = np.full((len(rows), width), -1, dtype=np.int64)
         for r, ids in enumerate(rows):
