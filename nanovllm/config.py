@@ -100,7 +100,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     seed: int = 0
     # Which distribution SamplingParams.logprobs report (vLLM's names): the model's own
-    # ("raw_logprobs"), or the one sampled from, after penalties, bias, masks and temperature.
+    # ("raw_logprobs"), or "processed_logprobs": after penalties, bias, masks and temperature
+    # but before top-k/top-p/min-p (vLLM applies those too; chapter 01, section 2.5).
     logprobs_mode: str = "raw_logprobs"
 
     @classmethod
