@@ -7,6 +7,8 @@
 #   make lint                   ruff + the .py/.ipynb pairing check
 #   make test-gpu               GPU tests + every chapter executed in lax mode (on a GPU machine)
 #   make bench [BENCH_ARGS=..]  python -m nanovllm.bench
+#   make student [CHAPTERS=04]  student edition in dist/student (STUDENT_OUT=...)
+#   make grade [STUDENT=path]   grade a student's package with these tests
 #   make clean                  caches and build leftovers (keeps .venv and the model cache)
 #
 # Variables (override on the command line or in the environment):
@@ -29,6 +31,10 @@ EXTRAS ?= triton,notebooks,convert,dev
 PY ?= $(VENV)/bin/python
 CH ?=
 BENCH_ARGS ?=
+CHAPTERS ?=
+STUDENT_OUT ?= dist/student
+STUDENT ?=
+GRADE_JSON ?= dist/grade.json
 
 # The stamp is rebuilt (everything re-installed) whenever pyproject.toml changes.
 STAMP := $(VENV)/.nanovllm-installed
@@ -47,10 +53,10 @@ CHAPTER_SOURCES = $(sort $(wildcard chapters/$(if $(CH),$(CH)_*,[0-9]*).py))
 NOTEBOOKS = $(wildcard chapters/[0-9]*.ipynb)
 NBVAL = --nbval-sanitize-with chapters/sanitize.cfg --nbval-current-env -p no:cacheprovider
 
-.PHONY: help demo test notebooks lint test-gpu bench clean distclean weights
+.PHONY: help demo test notebooks lint test-gpu bench clean distclean weights student grade
 
 help:
-	@sed -n '4,10s/^# //p' $(firstword $(MAKEFILE_LIST))
+	@sed -n '4,12s/^# //p' $(firstword $(MAKEFILE_LIST))
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -108,6 +114,14 @@ endif
 
 bench: $(SETUP)
 	$(PY) -m nanovllm.bench $(BENCH_ARGS)
+
+# The course (nanovllm/course, chapters/INSTRUCTORS.md): cut the assignment regions of CHAPTERS
+# (all by default) into a student edition; grade a student's copy with this repo's tests.
+student: $(SETUP)
+	$(PY) -m nanovllm.course.student --out $(STUDENT_OUT) $(if $(CHAPTERS),--chapters $(CHAPTERS))
+
+grade: weights
+	$(PY) -m nanovllm.course.grade $(if $(STUDENT),--student $(STUDENT)) --json $(GRADE_JSON)
 
 clean:
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule
@@ -105,11 +106,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 
 TestBlockManagerInvariants = BlockManagerMachine.TestCase
+TestBlockManagerInvariants.pytestmark = [
+    pytest.mark.assignment("04.cached_prefix", "04.allocate", "04.free")
+]
 TestBlockManagerInvariants.settings = settings(
     max_examples=150, stateful_step_count=30, deadline=None
 )
 
 
+@pytest.mark.assignment("04.cached_prefix", "04.allocate")
 def test_shared_prefix_is_shared_and_last_token_is_always_computed():
     bm = BlockManager(num_blocks=16, block_size=BLOCK)
     first = Sequence(list(range(12)), PARAMS)
@@ -132,6 +137,7 @@ def test_chained_hash_depends_on_the_prefix():
     )
 
 
+@pytest.mark.assignment("04.cached_prefix", "04.allocate")
 def test_hash_collision_is_caught_by_comparing_tokens():
     bm = BlockManager(num_blocks=8, block_size=BLOCK)
     seq = Sequence([1, 2, 3, 4, 5], PARAMS)
@@ -142,6 +148,7 @@ def test_hash_collision_is_caught_by_comparing_tokens():
     assert bm.cached_prefix(Sequence([1, 2, 3, 4, 5], PARAMS)) == []
 
 
+@pytest.mark.assignment("04.cached_prefix", "04.allocate", "04.free")
 def test_freed_blocks_stay_cached_until_recycled_oldest_first():
     bm = BlockManager(num_blocks=4, block_size=BLOCK)
     a = Sequence([1] * 4 + [2], PARAMS)

@@ -152,6 +152,7 @@ POLICIES = {
 }
 
 
+@pytest.mark.assignment("04.cached_prefix", "04.allocate", "04.free")
 @pytest.mark.parametrize("prefix_caching", [False, True])
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_preempted_equals_unpreempted(tiny, reference, policy, prefix_caching):
@@ -194,6 +195,7 @@ def test_request_and_step_metrics_add_up(tiny):
     assert summary["e2e_latency"]["p50"] <= summary["e2e_latency"]["p99"]
 
 
+@pytest.mark.assignment("04.cached_prefix", "04.allocate", "04.free")
 def test_preemption_and_prefix_cache_metrics(tiny):
     llm = make_llm(tiny, num_kv_blocks=12, max_num_batched_tokens=40)
     outs = llm.generate(

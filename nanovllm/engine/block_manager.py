@@ -81,7 +81,19 @@ class BlockManager:
 
         At most ``num_tokens - 1`` tokens may come from the cache: the last token must be
         computed to produce the logits of the next one.
+
+        Handout (chapter 04 §3, prefix caching). Return a ``list[int]`` of block ids, one per
+        full block of ``seq.token_ids`` (``block_size`` tokens each) found in the cache, in
+        order, stopping at the first miss. Return ``[]`` when prefix caching is off or the
+        request wants prompt logprobs (every prompt position must then be computed).
+        Only ``(seq.num_tokens - 1) // block_size`` blocks may be looked at. Do not change
+        any state (no reference counts, no ``seq`` fields).
+
+        Hint: a block's key is ``chain_hash(parent, tokens)`` with ``parent`` the key of the
+        block before (``None`` for the first); look it up in ``self.hash_to_block`` and also
+        compare ``self.blocks[id].token_ids`` with ``tuple(tokens)`` to rule out collisions.
         """
+        # >>> assignment 04.cached_prefix (6 points)
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []  # (prompt logprobs need every prompt position computed)
         found, parent = [], None
@@ -93,11 +105,30 @@ class BlockManager:
                 break
             found.append(block_id)
         return found
+        # <<< assignment 04.cached_prefix
 
     def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> bool:
         """Give ``seq`` slots for ``num_new_tokens`` more tokens, after adopting the
         ``cached`` prefix blocks (only for a sequence that holds no blocks yet).
-        Returns False, changing nothing, when there are not enough free blocks."""
+        Returns False, changing nothing, when there are not enough free blocks.
+
+        Handout (chapter 04 §3). ``cached`` is what ``cached_prefix`` returned (block ids);
+        ``seq.block_table`` is a ``list[int]`` that must end up covering
+        ``seq.num_computed_tokens + len(cached) * block_size + num_new_tokens`` tokens.
+        All or nothing: first count the fresh blocks needed plus the cached blocks that
+        sit in ``self.free_ids`` (ref_count 0, they must be revived); if that exceeds the
+        free blocks, return False without touching anything. Otherwise: update the hit-rate
+        counters (``queried_tokens``, ``hit_tokens``) for a sequence's first allocation;
+        adopt each cached block (take it out of ``free_ids`` if it was free, ``ref_count +=
+        1``, append its id to ``seq.block_table`` and its hash to ``seq.block_hashes``);
+        advance ``seq.num_computed_tokens`` past the cached tokens; append fresh blocks with
+        ``self._take_free_block()``; register the blocks this step fills with
+        ``self.cache_full_blocks(seq, seq.num_computed_tokens + num_new_tokens)``; return True.
+
+        Hint: ``self.blocks_needed(n)`` is the ceiling of ``n / block_size``; the number of
+        fresh blocks can be negative (the table already covers the tokens).
+        """
+        # >>> assignment 04.allocate (8 points)
         assert not cached or not seq.block_table
         total = seq.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
         fresh = self.blocks_needed(total) - len(seq.block_table) - len(cached)
@@ -119,6 +150,7 @@ class BlockManager:
             seq.block_table.append(self._take_free_block())
         self.cache_full_blocks(seq, seq.num_computed_tokens + num_new_tokens)
         return True
+        # <<< assignment 04.allocate
 
     def _take_free_block(self) -> int:
         block_id, _ = self.free_ids.popitem(last=False)
@@ -166,7 +198,21 @@ class BlockManager:
         """Release ``seq``'s blocks and reset its progress to zero tokens.
 
         Blocks with a hash stay findable until recycled; the tail of a sequence is queued
-        for recycling before its (more shareable) head."""
+        for recycling before its (more shareable) head.
+
+        Handout (chapter 04 §3). Walk ``seq.block_table`` from its last block to its first
+        and drop one reference of each (``ref_count -= 1``; going below 0 is a bug: assert).
+        A block at index ``i >= seq.num_computed_tokens // block_size`` was registered when
+        scheduled but never computed: if it has a hash, ``self._forget`` it, and if someone
+        else still holds it, add its id to ``self.orphans``. A block whose count reaches 0
+        goes to the end of ``self.free_ids`` (an ``OrderedDict``: the first is recycled
+        first), except that a block without a hash goes to the front (``move_to_end(...,
+        last=False)``). Finally empty ``seq.block_table`` and ``seq.block_hashes`` and set
+        ``seq.num_computed_tokens = 0``.
+
+        Hint: walking the table backwards is what queues the tail before the head.
+        """
+        # >>> assignment 04.free (6 points)
         computed = seq.num_computed_tokens // self.block_size  # blocks whose KV was launched
         for i in reversed(range(len(seq.block_table))):
             block = self.blocks[seq.block_table[i]]
@@ -182,3 +228,5 @@ class BlockManager:
                     self.free_ids.move_to_end(block.block_id, last=False)
         seq.block_table, seq.block_hashes = [], []
         seq.num_computed_tokens = 0
+        # <<< assignment 04.free
+
