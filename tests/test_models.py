@@ -62,6 +62,7 @@ def tiny(request, tmp_path_factory):
     return _tiny_hf_model(*CASES[request.param], path), path
 
 
+@pytest.mark.assignment("01.rmsnorm", "01.rope")
 def test_logits_match_transformers(tiny):
     hf, path = tiny
     cfg = ModelConfig.from_pretrained(path)

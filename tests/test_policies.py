@@ -72,6 +72,7 @@ class Sim:
         return [s.request_id for s in self.sched.running]
 
 
+@pytest.mark.assignment("06.chunk", "04.cached_prefix", "04.allocate", "04.free")
 def test_priority_admits_lower_numbers_first():
     sim = Sim(PriorityPolicy(), max_num_seqs=1)
     for p in [3, 1, 2, 0, 5, 4]:
@@ -80,6 +81,7 @@ def test_priority_admits_lower_numbers_first():
     assert sim.admitted == ["p0", "p1", "p2", "p3", "p4", "p5"]
 
 
+@pytest.mark.assignment("06.chunk", "04.cached_prefix", "04.allocate", "04.free")
 def test_deadline_breaks_ties_between_equal_priorities():
     for policy in (PriorityPolicy(), PriorityPolicy(aging_rate=0)):
         sim = Sim(policy, max_num_seqs=1)
@@ -117,6 +119,7 @@ def test_aging_prevents_starvation():
     assert without_aging == math.inf  # strict priority: starved for all 140 steps
 
 
+@pytest.mark.assignment("06.chunk", "06.preempt", "04.cached_prefix", "04.allocate", "04.free")
 def test_priority_preemption_victim_is_least_important():
     # 6 blocks of 4 tokens: three 8-token prompts fill the cache; the first decode step
     # needs a new block, so someone is preempted: the lowest priority, not the newest.
@@ -129,6 +132,7 @@ def test_priority_preemption_victim_is_least_important():
     assert set(sim.finished_step) == {"p0", "p1", "p2"}
 
 
+@pytest.mark.assignment("06.chunk", "06.preempt", "04.cached_prefix", "04.allocate", "04.free")
 def test_priority_evicts_to_admit_an_urgent_request():
     sim = Sim(PriorityPolicy(), max_num_seqs=2)
     sim.submit("bg1", max_tokens=50, priority=5)
@@ -142,6 +146,7 @@ def test_priority_evicts_to_admit_an_urgent_request():
     assert len(sim.finished_step) == 3 and sim.finished_step["urgent"] < sim.finished_step["bg1"]
 
 
+@pytest.mark.assignment("06.chunk", "06.fair_order", "04.cached_prefix", "04.allocate", "04.free")
 def test_fair_interleaves_tenants():
     fair, fcfs = Sim(FairPolicy(), max_num_seqs=4), Sim(FCFS(), max_num_seqs=4)
     for sim in (fair, fcfs):
@@ -154,6 +159,7 @@ def test_fair_interleaves_tenants():
     assert fcfs.admitted.index("B0") >= 20  # first come, first served: after all of A
 
 
+@pytest.mark.assignment("06.chunk", "06.fair_order", "04.cached_prefix", "04.allocate", "04.free")
 def test_fair_rotates_turns_when_one_slot_frees_at_a_time():
     sim = Sim(FairPolicy(), max_num_seqs=1)
     for i in range(6):
@@ -164,6 +170,7 @@ def test_fair_rotates_turns_when_one_slot_frees_at_a_time():
     assert sim.admitted[:5] == ["A0", "B0", "A1", "B1", "A2"]
 
 
+@pytest.mark.assignment("06.chunk", "06.fair_order", "04.cached_prefix", "04.allocate")
 def test_fair_gives_equal_slots_whatever_the_demand():
     sim = Sim(FairPolicy(), max_num_seqs=6)
     for user, n in (("big", 30), ("mid", 10), ("small", 5)):
@@ -188,6 +195,7 @@ def test_mixed_respects_shares():
     assert _classes(sim).count("inter") == 8 and _classes(sim).count("batch") == 2
 
 
+@pytest.mark.assignment("06.chunk", "06.preempt", "04.cached_prefix", "04.allocate", "04.free")
 def test_mixed_reservation_evicts_batch_work_and_idles_nothing():
     sim = Sim(MixedPolicy({"interactive": 0.8, "batch": 0.2}), max_num_seqs=10)
     for i in range(20):

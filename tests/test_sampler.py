@@ -22,6 +22,7 @@ def _tensors(n, temperature=1.0, top_k=None, top_p=1.0, min_p=0.0, vocab=6, gene
     )
 
 
+@pytest.mark.assignment("01.filter_logits")
 def test_filters_keep_the_right_tokens():
     logits = torch.log(torch.tensor([[0.4, 0.3, 0.15, 0.1, 0.05]]))
     kept = lambda **kw: torch.isfinite(filter_logits(logits, **kw))[0].tolist()  # noqa: E731
@@ -48,6 +49,7 @@ def test_greedy_is_argmax_and_temperature_zero_rows_stay_greedy():
     assert torch.equal(Sampler()(logits, _tensors(8, temperature=0.0, vocab=50)), logits.argmax(-1))
 
 
+@pytest.mark.assignment("01.filter_logits")
 def test_top_k_1_equals_greedy():
     logits = torch.randn(16, 50, generator=torch.Generator().manual_seed(3))
     assert torch.equal(Sampler()(logits, _tensors(16, top_k=1, vocab=50)), logits.argmax(-1))

@@ -126,6 +126,9 @@ def reference(tiny):
     return {n: _generate(tiny, n, enable_chunked_prefill=False)[1] for n in (12, 24)}
 
 
+@pytest.mark.assignment(
+    "01.rmsnorm", "01.rope", "06.chunk", "04.cached_prefix", "04.allocate", "04.free"
+)
 @pytest.mark.parametrize("budget", [1, 3, 16, 61])
 def test_chunked_prefill_equals_unchunked(tiny, reference, budget):
     llm, ours = _generate(tiny, max_num_batched_tokens=budget)
@@ -152,9 +155,17 @@ POLICIES = {
 }
 
 
-@pytest.mark.assignment("04.cached_prefix", "04.allocate", "04.free")
+@pytest.mark.assignment(
+    "01.rmsnorm", "01.rope", "04.cached_prefix", "04.allocate", "04.free", "06.chunk", "06.preempt"
+)
 @pytest.mark.parametrize("prefix_caching", [False, True])
-@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize(
+    "policy",
+    [  # only the "fair" runs call FairPolicy.order
+        pytest.param(p, marks=pytest.mark.assignment("06.fair_order")) if p == "fair" else p
+        for p in POLICIES
+    ],
+)
 def test_preempted_equals_unpreempted(tiny, reference, policy, prefix_caching):
     # 12 blocks of 16 tokens hold one request of up to 88 tokens, not eight at once.
     llm, ours = _generate(
@@ -195,7 +206,9 @@ def test_request_and_step_metrics_add_up(tiny):
     assert summary["e2e_latency"]["p50"] <= summary["e2e_latency"]["p99"]
 
 
-@pytest.mark.assignment("04.cached_prefix", "04.allocate", "04.free")
+@pytest.mark.assignment(
+    "01.rmsnorm", "01.rope", "04.cached_prefix", "04.allocate", "04.free", "06.chunk", "06.preempt"
+)
 def test_preemption_and_prefix_cache_metrics(tiny):
     llm = make_llm(tiny, num_kv_blocks=12, max_num_batched_tokens=40)
     outs = llm.generate(

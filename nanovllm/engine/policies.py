@@ -127,6 +127,21 @@ class FairPolicy:
         self._turns = itertools.count()
 
     def order(self, seqs: list[Sequence], now: float) -> list[Sequence]:
+        """Rank ``seqs`` round robin across tenants, most important first.
+
+        Handout (chapter 06 §6, policies). Return a new list, a permutation of ``seqs``.
+        Number each tenant's (``seq.user``'s) sequences 0, 1, 2, ...: its running ones
+        first, then its waiting ones, each group by arrival (``_arrival(seq)``: arrival
+        time, then ``seq_id``). Sort by the key ``(number, last turn, arrival time,
+        seq_id)``, where the last turn is ``self._last_turn.get(seq.user, -1)`` (set by
+        ``on_admit``; a tenant never admitted gets -1 and goes first). So every tenant's
+        sequence 0 precedes any tenant's sequence 1, and the tenant served least recently
+        breaks ties. ``now`` is not needed; change no state (``on_admit`` does that).
+
+        Hint: ``_running_first(sorted(seqs, key=_arrival))`` gives the numbering order
+        (``sorted`` is stable); count per user in a dict as you walk it.
+        """
+        # >>> assignment 06.fair_order (6 points)
         index: dict[str | None, int] = {}
         keyed = []
         for seq in _running_first(sorted(seqs, key=_arrival)):
@@ -134,6 +149,7 @@ class FairPolicy:
             keyed.append(((i, self._last_turn.get(seq.user, -1), *_arrival(seq)), seq))
         keyed.sort(key=lambda pair: pair[0])
         return [seq for _, seq in keyed]
+        # <<< assignment 06.fair_order
 
     def on_admit(self, seq: Sequence, now: float) -> None:
         self._last_turn[seq.user] = next(self._turns)

@@ -78,10 +78,22 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _chunk(self, remaining: int, budget: int) -> int:
-        """How many of ``remaining`` tokens fit this step (0 = wait for a later step)."""
+        """How many of ``remaining`` tokens fit this step (0 = wait for a later step).
+
+        Handout (chapter 06 §4, chunked prefill). ``remaining`` (an ``int`` >= 1) is what a
+        sequence still has to compute, ``budget`` (an ``int`` >= 0) what is left of this
+        step's ``max_num_batched_tokens``. Return an ``int`` in ``[0, min(remaining,
+        budget)]``: everything when it all fits; otherwise, with ``self.chunked_prefill``,
+        as much as the budget allows (a chunk, the rest comes next step); without it, 0
+        (the sequence waits whole for a step with room). Change no state.
+
+        Hint: three lines; a decode (``remaining == 1``) fits whenever ``budget >= 1``.
+        """
+        # >>> assignment 06.chunk (4 points)
         if remaining <= budget:
             return remaining
         return budget if self.chunked_prefill else 0
+        # <<< assignment 06.chunk
 
     def _rank(self, seqs: list[Sequence], now: float) -> list[Sequence]:
         ordered = list(self.policy.order(seqs, now))
@@ -201,11 +213,28 @@ class Scheduler:
         return False
 
     def _preempt(self, seq: Sequence) -> None:
+        """Preempt running ``seq`` by recomputation: it gives up its KV cache and waits again.
+
+        Handout (chapter 06 §5, preemption). The caller has already taken ``seq`` out of
+        ``self.running`` and of this step's batch. Release all its blocks with
+        ``self.block_manager.free(seq)`` (chapter 04: this also resets
+        ``seq.num_computed_tokens`` to 0, so its prompt *and* the tokens generated so far
+        are recomputed when it is admitted again); set its status back to
+        ``SequenceStatus.WAITING``; count the preemption twice, in the request's own
+        ``seq.metrics.num_preemptions`` and in the engine-wide ``self.num_preemptions``;
+        and put it in ``self.waiting``. Keep ``seq.token_ids``: the outputs so far are not
+        lost, only their KV cache.
+
+        Hint: five lines. Where in ``self.waiting`` it goes does not matter: every step the
+        policy ranks running and waiting sequences afresh.
+        """
+        # >>> assignment 06.preempt (6 points)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.metrics.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.append(seq)  # where in the queue does not matter: the policy ranks it
+        # <<< assignment 06.preempt
 
     def retire(self, seq: Sequence) -> None:
         """Schedule running ``seq`` no more: its last token is in flight and it will

@@ -36,9 +36,23 @@ class RMSNorm(nn.Module):
         return self._normalise(summed), summed
 
     def _normalise(self, x: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of the last dimension: ``x / sqrt(mean(x^2) + eps) * weight``.
+
+        Handout (chapter 01 §1.2, assignment ``01.rmsnorm``): ``x`` is ``[..., dim]`` (tokens,
+        or tokens x heads for Qwen3's per-head q/k norms) in the activation dtype (fp32, fp16
+        or bf16); ``self.weight`` is ``[dim]`` and ``self.eps`` a float. Return a tensor of
+        ``x``'s shape and dtype: each row divided by its root mean square (``eps`` added to
+        the mean of squares, under the root), times ``weight`` channel by channel.
+        Hint: normalise in fp32 whatever the activation dtype (bf16 cannot hold the mean of
+        squares precisely), cast the normalised rows back to ``x.dtype``, then multiply by
+        the weight; ``torch.rsqrt`` is one op. Rounding in this order matches
+        ``transformers`` bit for bit, which the model tests check (to 1e-4) in fp32.
+        """
+        # >>> assignment 01.rmsnorm (5 points)
         # Normalise in fp32 whatever the activation dtype: bf16 cannot hold the mean of
         # squares precisely, and this matches transformers' rounding bit for bit.
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+        # <<< assignment 01.rmsnorm

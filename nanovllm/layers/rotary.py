@@ -56,6 +56,19 @@ class RotaryEmbedding(nn.Module):
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each channel pair (i, i + d/2) of every head of ``x`` by its position's angle.
+
+    Handout (chapter 01 §1.3, assignment ``01.rope``): ``x`` is ``[T, H, d]`` (queries or
+    keys, any float dtype); ``cos`` and ``sin`` are ``[T, 1, d/2]`` fp32, already looked up
+    at each token's position (they broadcast over the heads). Return a new ``[T, H, d]``
+    tensor in ``x``'s dtype: with ``x1 = x[..., :d/2]`` and ``x2 = x[..., d/2:]`` (the
+    "NeoX" half split that Llama and Qwen3 use, not interleaved pairs), the first half
+    becomes ``x1 cos - x2 sin`` and the second ``x2 cos + x1 sin``.
+    Hint: cast ``cos``/``sin`` to ``x.dtype`` first (as ``transformers`` does); ``chunk``
+    and ``torch.cat`` do the split and the join.
+    """
+    # >>> assignment 01.rope (6 points)
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    # <<< assignment 01.rope

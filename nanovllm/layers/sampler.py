@@ -31,7 +31,21 @@ class SamplingTensors:
 def filter_logits(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
 ) -> torch.Tensor:
-    """Set to -inf every logit outside each row's top-k, top-p nucleus and min-p floor."""
+    """Set to -inf every logit outside each row's top-k, top-p nucleus and min-p floor.
+
+    Handout (chapter 01 §2.2, assignment ``01.filter_logits``): ``logits`` is ``[B, V]``
+    fp32 (already divided by the temperature); ``top_k`` ``[B]`` int (``V`` = off),
+    ``top_p`` ``[B]`` float (1 = off) and ``min_p`` ``[B]`` float (0 = off) are per row.
+    Return a new ``[B, V]`` tensor: the kept logits unchanged, the others ``-inf``. Keep a
+    token when it is among the row's ``top_k`` largest; then, on the distribution
+    renormalised over those (as vLLM does), when the probability mass of the tokens ranked
+    above it is below ``top_p`` (so the top token always stays, and ``top_p = 1`` keeps
+    everything even where an fp32 running sum creeps past 1), and when its probability is at
+    least ``min_p`` times the row's largest.
+    Hint: sort each row once (descending, keeping the order), mask by rank, softmax and
+    ``cumsum`` in sorted order, then ``scatter_`` the masked row back to vocabulary order.
+    """
+    # >>> assignment 01.filter_logits (6 points)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     rank = torch.arange(logits.shape[-1], device=logits.device)
     sorted_logits = sorted_logits.masked_fill(rank[None, :] >= top_k[:, None], float("-inf"))
@@ -43,6 +57,7 @@ def filter_logits(
     drop |= probs < min_p[:, None] * probs[:, :1]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    # <<< assignment 01.filter_logits
 
 
 def exponential_noise(

@@ -40,6 +40,7 @@ def assert_nearly_bit_equal(fused: torch.Tensor, reference: torch.Tensor) -> Non
     assert bool(((fused.float() - reference.float()).abs() <= two_ulps).all())
 
 
+@pytest.mark.assignment("01.rmsnorm")
 @pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
 def test_rmsnorm_layer_matches_torch_path(dtype):
     gen = torch.Generator().manual_seed(0)
@@ -106,6 +107,7 @@ def tiny_random_model(arch: str, heads: int, kv_heads: int, head_dim: int, hidde
     return model.eval()
 
 
+@pytest.mark.assignment("01.rmsnorm", "01.rope")
 @pytest.mark.parametrize("name", list(MODELS))
 def test_fused_model_matches_torch_path(name):
     model = tiny_random_model(*MODELS[name])
