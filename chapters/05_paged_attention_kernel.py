@@ -772,6 +772,8 @@ else:
 # head_dim]`, `block_table` is a 1-D int tensor (padded with `-1`), and the result is
 # `[num_heads, head_dim]`. Visit the blocks in table order with an online softmax, and handle
 # each KV head's whole query group at once (section 5), so each block is read once per KV head.
+# The check compares with a float64 reference that gathers the keys position by position and
+# takes a plain softmax per query head.
 
 # %% tags=["exercise"]
 import torch
@@ -807,7 +809,21 @@ def paged_decode_one(q, k_cache, v_cache, block_table, seq_len, scale):
 # %% tags=["check"]
 import torch
 
-from nanovllm.layers.torch_attention import decode_attention as torch_decode
+
+def reference_decode_one(q, k_cache, v_cache, block_table, seq_len, scale):
+    """float64: gather the history token by token, then a plain softmax for every query head."""
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[0] // num_kv_heads
+    rows = [(int(block_table[p // block_size]), p % block_size) for p in range(seq_len)]
+    keys = torch.stack([k_cache[b, r] for b, r in rows]).double()  # [seq_len, Hkv, D]
+    values = torch.stack([v_cache[b, r] for b, r in rows]).double()
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for h in range(q.shape[0]):
+        kv = h // group  # query head h reads KV head h // group
+        weights = torch.softmax(keys[:, kv] @ q[h].double() * scale, dim=0)
+        out[h] = weights @ values[:, kv]
+    return out
+
 
 gen = torch.Generator().manual_seed(501)
 for heads, kv_heads, dim, block_size, n in [(9, 3, 64, 16, 70), (16, 8, 128, 32, 33),
@@ -819,12 +835,13 @@ for heads, kv_heads, dim, block_size, n in [(9, 3, 64, 16, 70), (16, 8, 128, 32,
     table = torch.full((blocks_needed + 2,), -1, dtype=torch.int32)
     table[:blocks_needed] = torch.randperm(pool, generator=gen)[:blocks_needed].to(torch.int32)
     q = torch.randn(heads, dim, generator=gen)
-    expected = torch_decode(q[None], k_cache, v_cache, torch.tensor([n], dtype=torch.int32),
-                            table[None], dim**-0.5)[0]
+    expected = reference_decode_one(q, k_cache, v_cache, table, n, dim**-0.5)
     out = paged_decode_one(q, k_cache, v_cache, table, n, dim**-0.5)
     assert out.shape == q.shape, f"shape {tuple(out.shape)}, expected {tuple(q.shape)}"
-    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
-print("Exercise 1 passed: paged_decode_one matches nanovllm's torch decode attention")
+    case = f"heads {heads}, kv_heads {kv_heads}, head_dim {dim}, block_size {block_size}, n {n}"
+    torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-4,
+                               msg=lambda m, case=case: f"{case}: {m}")
+print("Exercise 1 passed: paged_decode_one matches a float64 softmax over the gathered history")
 
 # %% [markdown]
 # **Exercise 2 — merging split-KV partials.** Each of `S` splits returns, per query head, its
@@ -875,7 +892,8 @@ print("Exercise 2 passed: merge_splits reproduces the softmax over all keys, emp
 # **Exercise 3 — bytes per call.** Write `decode_call_bytes(batch, ctx, num_heads,
 # num_kv_heads, head_dim, elem_bytes)`: the bytes one paged decode-attention call must move
 # (section 8: all keys and values, plus the queries read and the outputs written). The check
-# compares it with every row the H200 benchmark recorded.
+# compares it with rows the H200 benchmark recorded and with the sizes of the tensors themselves
+# on random shapes.
 
 # %% tags=["exercise"]
 def decode_call_bytes(batch, ctx, num_heads, num_kv_heads, head_dim, elem_bytes):
@@ -888,18 +906,33 @@ def decode_call_bytes(batch, ctx, num_heads, num_kv_heads, head_dim, elem_bytes)
 
 
 # %% tags=["check"]
-import json
+import random
 
-from nanovllm.viz import figures_dir
+import torch
 
-record = json.loads((figures_dir() / "data" / "bench_decode_h200.json").read_text())
-shape = record["shape"]
-for row in record["rows"]:
-    got = decode_call_bytes(row["batch"], row["ctx"], shape["num_heads"], shape["num_kv_heads"],
-                            shape["head_dim"], 2)
-    assert got == row["bytes"], f"batch {row['batch']} ctx {row['ctx']}: {got} != {row['bytes']}"
-assert decode_call_bytes(3, 100, 9, 3, 64, 4) == 2 * 3 * 100 * 3 * 64 * 4 + 2 * 3 * 9 * 64 * 4
-print(f"Exercise 3 passed: decode_call_bytes matches all {len(record['rows'])} recorded rows")
+# frozen: rows of figures/data/bench_decode_h200.json (Qwen3-0.6B's attention: 16 query heads,
+# 8 KV heads, head_dim 128, bf16), as (batch, ctx) -> bytes
+for (batch, ctx), recorded in {(1, 1024): 4_202_496, (64, 4096): 1_074_266_112,
+                               (256, 4096): 4_297_064_448}.items():
+    got = decode_call_bytes(batch, ctx, 16, 8, 128, 2)
+    assert got == recorded, f"batch {batch} ctx {ctx}: {got} != {recorded} (recorded on the H200)"
+
+# reference: the sizes of the tensors one call touches, made on the meta device (no memory)
+rng = random.Random(503)
+dtypes = {1: torch.int8, 2: torch.bfloat16, 4: torch.float32}
+for _ in range(50):
+    kv_heads = rng.randint(1, 8)
+    heads = kv_heads * rng.randint(1, 8)
+    dim, elem = rng.choice([16, 64, 128]), rng.choice([1, 2, 4])
+    batch, ctx = rng.randint(1, 300), rng.randint(1, 9000)
+    q = torch.empty(batch, heads, dim, dtype=dtypes[elem], device="meta")
+    kv = torch.empty(batch, ctx, kv_heads, dim, dtype=dtypes[elem], device="meta")
+    # q and out, K and V
+    expected = 2 * q.numel() * q.element_size() + 2 * kv.numel() * kv.element_size()
+    got = decode_call_bytes(batch, ctx, heads, kv_heads, dim, elem)
+    assert got == expected, f"batch {batch} ctx {ctx} heads {heads}/{kv_heads} dim {dim} " \
+        f"elem {elem}: {got} != {expected}"
+print("Exercise 3 passed: decode_call_bytes matches the H200 record and the tensors' sizes")
 
 # %% [markdown]
 # ## Summary

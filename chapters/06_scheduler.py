@@ -251,7 +251,7 @@ show_source(Scheduler.schedule, Scheduler._admit)
 # `BlockManager` with a *fake model*: a loop that marks the scheduled tokens as computed and
 # appends a dummy token whenever a sequence has computed everything it had. No weights, no
 # tensors: just the scheduling decisions, step by step. `scheduler_spans` returns the same spans
-# as our simulators. (The exercises at the end use the same trick.)
+# as our simulators.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -948,15 +948,16 @@ print(f"{len(by_step)} engine steps, {shared} of them served alice and bob toget
 # ## Exercises
 #
 # Each exercise is a function to complete (the solution sits between the `BEGIN SOLUTION` and
-# `END SOLUTION` lines; try it yourself first), followed by a cell that checks it on fresh
-# random inputs.
+# `END SOLUTION` lines; try it yourself first), followed by a cell that checks it on hand-worked
+# cases and seeded random inputs, without importing `nanovllm`.
 #
 # **Exercise 1 — shortest prompt first.** Write the policy `shortest_prompt_first(seqs, now)`:
 # return the sequences ordered by prompt length (`num_prompt_tokens`), shortest first, ties
-# broken by earlier `metrics.arrival_time`, then by smaller `seq_id`. The check compares your
-# order with a reference on random sequences and then plugs your function into the package's
-# `Scheduler` (one slot, so requests run one at a time) to check the order in which it admits
-# them.
+# broken by earlier `metrics.arrival_time`, then by smaller `seq_id`. The check passes stand-ins
+# for sequences (`types.SimpleNamespace` objects with just those three attributes) and compares
+# your order with a hand-worked example and, on random inputs, with a property every adjacent
+# pair must satisfy. Passed as `scheduler_policy`, such a function decides the order in which
+# the scheduler admits waiting requests (section 6.7).
 
 # %% tags=["exercise"]
 def shortest_prompt_first(seqs, now):
@@ -970,44 +971,41 @@ def shortest_prompt_first(seqs, now):
 import random
 from types import SimpleNamespace
 
-from nanovllm import SamplingParams
-from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.policies import FunctionPolicy
-from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence
 
-rng = random.Random()
-for _ in range(50):
-    seqs = []
-    for _ in range(rng.randint(1, 12)):
-        seq = Sequence([rng.randrange(1000) for _ in range(rng.randint(1, 6))], SamplingParams())
-        seq.metrics.arrival_time = float(rng.randint(0, 3))  # ties on purpose
-        seqs.append(seq)
-    expected = sorted(seqs, key=lambda s: (s.num_prompt_tokens, s.metrics.arrival_time, s.seq_id))
-    got = list(shortest_prompt_first(list(seqs), 0.0))
-    assert [s.seq_id for s in got] == [s.seq_id for s in expected], "wrong order"
+def stand_in(seq_id, num_prompt_tokens, arrival_time):
+    """What the policy may read of a Sequence, and nothing else."""
+    return SimpleNamespace(seq_id=seq_id, num_prompt_tokens=num_prompt_tokens,
+                           metrics=SimpleNamespace(arrival_time=arrival_time))
 
-    # the same sequences through the real scheduler, one slot: admission order = policy order
-    config = SimpleNamespace(max_num_seqs=1, max_num_batched_tokens=64,
-                             enable_chunked_prefill=True, scheduler_policy=shortest_prompt_first)
-    sched = Scheduler(config, BlockManager(64, 16, enable_prefix_caching=False))
-    assert isinstance(sched.policy, FunctionPolicy)
-    for seq in seqs:
-        sched.add(seq)
-    admitted = []
-    while sched.has_unfinished():
-        for seq in sched.schedule(now=0.0).seqs:  # one step computes the whole short prompt
-            admitted.append(seq.seq_id)
-            sched.finish(seq, "length")
-    assert admitted == [s.seq_id for s in expected], "the scheduler admitted in another order"
-print("Exercise 1 passed: shortest_prompt_first orders and schedules as expected")
+
+# hand-worked: lengths first (2 < 3 < 5), then arrival among the 3s, then seq_id among equals
+example = [stand_in(0, 5, 0.0), stand_in(1, 3, 2.0), stand_in(2, 3, 1.0), stand_in(3, 2, 9.0),
+           stand_in(4, 3, 1.0)]
+got = [s.seq_id for s in shortest_prompt_first(list(example), 0.0)]
+assert got == [3, 2, 4, 1, 0], f"expected seq_ids [3, 2, 4, 1, 0], got {got}"
+
+rng = random.Random(601)
+for _ in range(200):
+    ids = rng.sample(range(100), rng.randint(1, 12))  # seq_ids in random order
+    # few lengths and arrival times: ties on purpose
+    seqs = [stand_in(i, rng.randint(1, 6), float(rng.randint(0, 3))) for i in ids]
+    got = list(shortest_prompt_first(list(seqs), rng.uniform(0, 10)))
+    assert sorted(s.seq_id for s in got) == sorted(ids), "return every sequence exactly once"
+    for a, b in zip(got, got[1:]):  # each adjacent pair must be in order, tie-breakers included
+        la, lb = a.num_prompt_tokens, b.num_prompt_tokens
+        ta, tb = a.metrics.arrival_time, b.metrics.arrival_time
+        in_order = la < lb or (la == lb and (ta < tb or (ta == tb and a.seq_id < b.seq_id)))
+        assert in_order, f"seq {a.seq_id} ({la} tokens, arrival {ta}) came before " \
+            f"seq {b.seq_id} ({lb} tokens, arrival {tb})"
+print("Exercise 1 passed: shortest_prompt_first orders by length, arrival, then seq_id")
 
 # %% [markdown]
 # **Exercise 2 — latency from timestamps.** A request arrived at time `arrival` and its output
 # tokens came out at the times in `token_times` (sorted). Write `ttft_tpot(arrival, token_times)`
 # returning `(ttft, tpot)`: the time to the first token, and the time per output token, the mean
 # gap between consecutive tokens *after* the first (None when there are fewer than two tokens).
-# The check compares with `RequestMetrics` (`nanovllm/outputs.py`) on random timestamps.
+# The check tries hand-worked timestamps, then random ones against exact rational arithmetic
+# (`fractions.Fraction`); `RequestMetrics` (`nanovllm/outputs.py`) defines TTFT and TPOT this way.
 
 # %% tags=["exercise"]
 def ttft_tpot(arrival: float, token_times: list[float]) -> tuple[float, float | None]:
@@ -1023,23 +1021,27 @@ def ttft_tpot(arrival: float, token_times: list[float]) -> tuple[float, float | 
 # %% tags=["check"]
 import math
 import random
+from fractions import Fraction
 
-from nanovllm.outputs import RequestMetrics
+# hand-worked: first token 0.5 s after arrival, then gaps of 0.5 s and 1.5 s (mean 1.0 s)
+assert ttft_tpot(1.0, [1.5, 2.0, 3.5]) == (0.5, 1.0), f"got {ttft_tpot(1.0, [1.5, 2.0, 3.5])}"
+assert ttft_tpot(2.0, [2.25]) == (0.25, None), "one token: TTFT 0.25, TPOT undefined (None)"
 
-rng = random.Random()
+rng = random.Random(602)
 for _ in range(200):
     arrival = rng.uniform(0, 100)
     times = sorted(arrival + rng.uniform(0, 5) for _ in range(rng.randint(1, 20)))
-    m = RequestMetrics(arrival_time=arrival, first_token_time=times[0], last_token_time=times[-1],
-                       num_output_tokens=len(times))
+    # reference: exact rationals, the mean of the gaps one by one
+    exact_ttft = Fraction(times[0]) - Fraction(arrival)
+    gaps = [Fraction(b) - Fraction(a) for a, b in zip(times, times[1:])]
     ttft, tpot = ttft_tpot(arrival, times)
-    assert math.isclose(ttft, m.time_to_first_token, rel_tol=1e-9, abs_tol=1e-12), "wrong TTFT"
-    if m.time_per_output_token is None:
+    assert math.isclose(ttft, float(exact_ttft), rel_tol=1e-9, abs_tol=1e-12), "wrong TTFT"
+    if not gaps:
         assert tpot is None, "TPOT is undefined for a single token: return None"
     else:
-        assert tpot is not None and math.isclose(tpot, m.time_per_output_token,
+        assert tpot is not None and math.isclose(tpot, float(sum(gaps) / len(gaps)),
                                                  rel_tol=1e-9, abs_tol=1e-12), "wrong TPOT"
-print("Exercise 2 passed: ttft_tpot agrees with RequestMetrics")
+print("Exercise 2 passed: ttft_tpot agrees with hand-worked cases and exact arithmetic")
 
 # %% [markdown]
 # **Exercise 3 — the token budget.** Prompts of lengths `prompt_lens` all wait at time 0, first
@@ -1048,8 +1050,9 @@ print("Exercise 2 passed: ttft_tpot agrees with RequestMetrics")
 # may compute at most `budget` tokens. Write `chunk_plan(prompt_lens, budget)` returning the
 # schedule: one list per step of `(request index, tokens computed)` pairs, in the order the
 # scheduler serves them (requests already started first, then new ones). Hint: fill each
-# step's budget in order; a request gets `min(its remaining tokens, budget left)`. The check runs
-# the package's `Scheduler` on random prompt lengths and budgets.
+# step's budget in order; a request gets `min(its remaining tokens, budget left)`. The check tries
+# hand-worked plans, then random prompt lengths and budgets against a simulation that hands out
+# each step's budget one token at a time (the package's `Scheduler` produces the same plans).
 
 # %% tags=["exercise"]
 def chunk_plan(prompt_lens: list[int], budget: int) -> list[list[tuple[int, int]]]:
@@ -1073,42 +1076,43 @@ def chunk_plan(prompt_lens: list[int], budget: int) -> list[list[tuple[int, int]
 
 # %% tags=["check"]
 import random
-from types import SimpleNamespace
 
-from nanovllm import SamplingParams
-from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence
+# hand-worked: budget 4 over prompts of 5, 3 and 7 tokens
+assert chunk_plan([5, 3, 7], 4) == [[(0, 4)], [(0, 1), (1, 3)], [(2, 4)], [(2, 3)]], \
+    f"chunk_plan([5, 3, 7], 4) = {chunk_plan([5, 3, 7], 4)}"
+assert chunk_plan([2, 2, 2], 10) == [[(0, 2), (1, 2), (2, 2)]], "everything fits in one step"
+assert chunk_plan([3], 1) == [[(0, 1)], [(0, 1)], [(0, 1)]], "budget 1: one token per step"
 
 
-def package_plan(prompt_lens, budget):
-    config = SimpleNamespace(max_num_seqs=10_000, max_num_batched_tokens=budget,
-                             enable_chunked_prefill=True, scheduler_policy="fcfs")
-    sched = Scheduler(config, BlockManager(10_000, 16, enable_prefix_caching=False))
-    seqs = [Sequence(list(range(1000 * i, 1000 * i + n)), SamplingParams(max_tokens=1))
-            for i, n in enumerate(prompt_lens)]
-    index = {s.seq_id: i for i, s in enumerate(seqs)}
-    for seq in seqs:
-        sched.add(seq)
-    plan = []
-    while sched.has_unfinished():
-        batch = sched.schedule(now=0.0)
-        plan.append([(index[s.seq_id], n) for s, n in zip(batch.seqs, batch.num_new_tokens)])
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
-            if seq.num_computed_tokens == seq.num_tokens:
-                seq.token_ids.append(7)
-                sched.finish(seq, "length")
+def token_at_a_time(prompt_lens, budget):
+    """Each step, give the budget's tokens one by one to the first request with work left."""
+    remaining, plan = list(prompt_lens), []
+    while sum(remaining) > 0:
+        served = []  # request index of each token computed in this step
+        for _ in range(budget):
+            waiting = [i for i, r in enumerate(remaining) if r > 0]
+            if not waiting:
+                break
+            remaining[waiting[0]] -= 1
+            served.append(waiting[0])
+        step = []
+        for i in served:  # run-length encode: [0, 0, 1] -> [(0, 2), (1, 1)]
+            if step and step[-1][0] == i:
+                step[-1] = (i, step[-1][1] + 1)
+            else:
+                step.append((i, 1))
+        plan.append(step)
     return plan
 
 
-rng = random.Random()
+rng = random.Random(603)
 for _ in range(100):
     lens = [rng.randint(1, 60) for _ in range(rng.randint(1, 8))]
     budget = rng.randint(1, 80)
-    expected = package_plan(lens, budget)
-    assert chunk_plan(lens, budget) == expected, (lens, budget, expected)
-print("Exercise 3 passed: chunk_plan matches the scheduler's token budget step by step")
+    expected = token_at_a_time(lens, budget)
+    got = [[tuple(pair) for pair in step] for step in chunk_plan(lens, budget)]
+    assert got == expected, f"prompts {lens}, budget {budget}: expected {expected}, got {got}"
+print("Exercise 3 passed: chunk_plan fills every step's token budget as expected")
 
 # %% [markdown]
 # ## Summary

@@ -763,6 +763,8 @@ else:
 # pair: the mean, over every batch size `n` in `1..max_batch`, of the fraction of rows that are
 # padding when `n` is padded to the smallest bucket `>= n`; and the largest number of padding
 # rows any `n` gets. Assume `buckets` is sorted and its last entry is at least `max_batch`.
+# The check uses hand-worked cases and the engine's buckets written out (1, 2, 4, 8, then every
+# multiple of 16, as `batch_buckets(256)` returns them), against values computed exactly.
 
 # %% tags=["exercise"]
 def padding_waste(buckets: list[int], max_batch: int) -> tuple[float, int]:
@@ -780,16 +782,18 @@ def padding_waste(buckets: list[int], max_batch: int) -> tuple[float, int]:
 # %% tags=["check"]
 import math
 
-from nanovllm.engine.cuda_graphs import batch_buckets
-
-assert padding_waste([1, 2, 4], 4) == ((0 + 0 + 1 / 4 + 0) / 4, 1)
+assert padding_waste([1, 2, 4], 4) == ((0 + 0 + 1 / 4 + 0) / 4, 1), \
+    "buckets [1, 2, 4], max_batch 4: only n = 3 pads, 1 row of 4"
 assert padding_waste(list(range(1, 65)), 64) == (0.0, 0), "one bucket per size wastes nothing"
-mean, worst = padding_waste(batch_buckets(256), 256)
-assert worst == 15, f"the package's buckets waste at most 15 rows, got {worst}"
-assert math.isclose(mean, 0.08049, abs_tol=1e-4), f"mean waste {mean:.5f}"
+# frozen means: computed once with fractions.Fraction, summing (bucket - n) / bucket over n
+engine_buckets = [1, 2, 4, 8] + list(range(16, 257, 16))  # batch_buckets(256)
+mean, worst = padding_waste(engine_buckets, 256)
+assert worst == 15, f"the engine's buckets waste at most 15 rows (n = 17 pads to 32), got {worst}"
+assert math.isclose(mean, 1980103 / 24600576, rel_tol=1e-9), f"mean waste {mean:.5f}, not 0.08049"
 mean2, worst2 = padding_waste([2**i for i in range(9)], 256)
-assert worst2 == 127 and 0.2 < mean2 < 0.3, (mean2, worst2)
-print("Exercise 1 passed: padding_waste agrees on the package's buckets and powers of two")
+assert worst2 == 127, f"powers of two up to 256: n = 129 pads 127 rows, got {worst2}"
+assert math.isclose(mean2, 247 / 1024, rel_tol=1e-9), f"mean waste {mean2:.5f}, not 0.24121"
+print("Exercise 1 passed: padding_waste agrees on the engine's buckets and powers of two")
 
 # %% [markdown]
 # **Exercise 2 — pad a decode batch for a graph.** Write
@@ -797,7 +801,8 @@ print("Exercise 1 passed: padding_waste agrees on the package's buckets and powe
 # of `n` decodes to `bucket` rows the way `DecodeGraphs.run` does: token ids and positions
 # don't matter for padding rows (use 0), slots are `-1` (write nothing), lengths are `0`
 # (attend to nothing), and block-table rows are all `-1`. Return the four padded tensors, with
-# the input dtypes.
+# the input dtypes. The check also writes a step's keys through the padded slot mapping, the way
+# `store_kv` does (slot `-1` is skipped), and checks that only the real rows reach the cache.
 
 # %% tags=["exercise"]
 import torch
@@ -819,12 +824,9 @@ def pad_decode_batch(input_ids, slot_mapping, seq_lens, block_tables, bucket):
 # %% tags=["check"]
 import torch
 
-from nanovllm.layers import torch_attention
-
 gen = torch.Generator().manual_seed(702)
 block, kv_heads, dim = 16, 2, 8
 k_cache = torch.randn(10, block, kv_heads, dim, generator=gen)
-v_cache = torch.randn(10, block, kv_heads, dim, generator=gen)
 ids = torch.tensor([11, 12, 13])
 slots = torch.tensor([5, 40, 70])
 lens = torch.tensor([6, 9, 23], dtype=torch.int32)
@@ -832,16 +834,25 @@ tables = torch.tensor([[0, -1], [2, -1], [4, 3]], dtype=torch.int32)
 out = pad_decode_batch(ids, slots, lens, tables, 8)
 assert [t.shape[0] for t in out] == [8] * 4, "every tensor must have `bucket` rows"
 assert [t.dtype for t in out] == [t.dtype for t in (ids, slots, lens, tables)], "keep dtypes"
+assert out[3].shape == (8, 2), "block tables keep their width"
 p_ids, p_slots, p_lens, p_tables = out
 assert torch.equal(p_ids[:3], ids) and torch.equal(p_slots[:3], slots)
 assert torch.equal(p_lens[:3], lens) and torch.equal(p_tables[:3], tables), "real rows changed"
-assert (p_slots[3:] == -1).all() and (p_lens[3:] == 0).all() and (p_tables[3:] == -1).all()
-kc, vc = k_cache.clone(), v_cache.clone()
+assert (p_slots[3:] == -1).all(), f"padding slots must be -1, got {p_slots[3:].tolist()}"
+assert (p_lens[3:] == 0).all(), f"padding lengths must be 0, got {p_lens[3:].tolist()}"
+assert (p_tables[3:] == -1).all(), "padding block-table rows must be all -1"
+# write one key per row through the padded slot mapping, skipping slot -1 as store_kv does
+kc = k_cache.clone()
 new = torch.randn(8, kv_heads, dim, generator=gen)
-torch_attention.store_kv(new, new, kc, vc, p_slots)
-assert torch.equal(kc.view(-1, kv_heads, dim)[slots], new[:3]), "real rows must be stored"
+flat = kc.view(-1, kv_heads, dim)
+for row, slot in enumerate(p_slots.tolist()):
+    if slot >= 0:
+        flat[slot] = new[row]
+assert torch.equal(flat[slots], new[:3]), "real rows must be stored"
 changed = (kc != k_cache).any(dim=(2, 3)).flatten().nonzero().flatten()
 assert set(changed.tolist()) <= set(slots.tolist()), "padding rows wrote into the cache"
+same = pad_decode_batch(ids, slots, lens, tables, 3)  # bucket == n: nothing to pad
+assert all(torch.equal(a, b) for a, b in zip(same, (ids, slots, lens, tables))), "bucket == n"
 print("Exercise 2 passed: padded rows write nothing and real rows are untouched")
 
 # %% [markdown]

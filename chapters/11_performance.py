@@ -1082,7 +1082,9 @@ else:
 # **Exercise 1 — the bandwidth bound.** Write `bound_seconds(prompt_lens, output_lens,
 # kv_bytes_per_token, weight_bytes, bandwidth)`: the least time to run a workload if every
 # decode step reads all weights once and each sequence's whole KV cache so far, with all
-# requests decoding together (section 2).
+# requests decoding together (section 2). The check tries hand-worked workloads, then random
+# ones against a step-by-step count of the bytes read (`nanovllm.bench.bandwidth_bound_seconds`
+# computes the same bound from a model config).
 
 # %% tags=["exercise"]
 def bound_seconds(prompt_lens, output_lens, kv_bytes_per_token, weight_bytes, bandwidth):
@@ -1097,21 +1099,37 @@ def bound_seconds(prompt_lens, output_lens, kv_bytes_per_token, weight_bytes, ba
 import math
 import random
 
-from nanovllm.bench import Workload, bandwidth_bound_seconds
-from nanovllm.configs import config_path
-from nanovllm.models import ModelConfig
+# hand-worked: one request, prompt 10, 3 output tokens: its steps read 10, 11, 12 tokens of KV
+# (2 bytes each: 66) and the weights 3 times (300 bytes), at 1 byte/s
+assert math.isclose(bound_seconds([10], [3], 2, 100, 1.0), 366.0), \
+    f"bound_seconds([10], [3], 2, 100, 1.0) = {bound_seconds([10], [3], 2, 100, 1.0)}, not 366"
+# a second request (prompt 4, 1 token) shares the first step: +8 bytes of KV, no extra weights
+assert math.isclose(bound_seconds([10, 4], [3, 1], 2, 100, 2.0), 187.0), \
+    "two requests decode together: the weights are read once per step, not once per token"
+
+
+def bytes_step_by_step(prompt_lens, output_lens, kv_bytes_per_token, weight_bytes):
+    total = 0
+    for step in range(max(output_lens)):
+        total += weight_bytes  # every step reads all weights once
+        for p, n in zip(prompt_lens, output_lens):
+            if step < n:  # still decoding: reads its prompt and the `step` tokens generated so far
+                total += (p + step) * kv_bytes_per_token
+    return total
+
 
 rng = random.Random(1101)
-cfg = ModelConfig.from_pretrained(config_path("qwen3-0.6b"))
-for _ in range(5):
+for _ in range(20):
     n = rng.randint(1, 50)
-    prompts = [[0] * rng.randint(1, 2000) for _ in range(n)]
-    outs = [rng.randint(1, 2000) for _ in range(n)]
-    wbytes, bw, elem = rng.randint(10**8, 10**10), rng.uniform(1e11, 5e12), rng.choice([1, 2, 4])
-    expected = bandwidth_bound_seconds(Workload(prompts, outs), cfg, wbytes, elem, bw)
-    got = bound_seconds([len(p) for p in prompts], outs, cfg.kv_bytes_per_token(elem), wbytes, bw)
-    assert math.isclose(got, expected, rel_tol=1e-12), f"{got} != {expected}"
-print("Exercise 1 passed: bound_seconds equals nanovllm.bench.bandwidth_bound_seconds")
+    prompts = [rng.randint(1, 2000) for _ in range(n)]
+    outs = [rng.randint(1, 300) for _ in range(n)]
+    # kv bytes per token: Qwen3-0.6B's is 28 layers * 2 (K, V) * 8 KV heads * 128 * elem bytes
+    kv = 28 * 2 * 8 * 128 * rng.choice([1, 2, 4])
+    wbytes, bw = rng.randint(10**8, 10**10), rng.uniform(1e11, 5e12)
+    expected = bytes_step_by_step(prompts, outs, kv, wbytes) / bw
+    got = bound_seconds(prompts, outs, kv, wbytes, bw)
+    assert math.isclose(got, expected, rel_tol=1e-12), f"{n} requests: {got} != {expected}"
+print("Exercise 1 passed: bound_seconds matches a step-by-step count of the bytes read")
 
 # %% [markdown]
 # **Exercise 2 — llama3 RoPE scaling.** Write `llama3_inv_freq(inv_freq, factor, low_freq_factor,
@@ -1120,6 +1138,8 @@ print("Exercise 1 passed: bound_seconds equals nanovllm.bench.bandwidth_bound_se
 # wavelength is above `original / low_freq_factor`, and in between blend
 # $(1-\sigma)\,\theta/\text{factor} + \sigma\,\theta$ with
 # $\sigma = (\text{original}/\text{wavelength} - \text{low}) / (\text{high} - \text{low})$.
+# The check compares with a float64 reference computed one frequency at a time with `math`
+# (`nanovllm/layers/rotary.py` implements the same rule).
 
 # %% tags=["exercise"]
 import math
@@ -1141,26 +1161,49 @@ def llama3_inv_freq(inv_freq, factor, low_freq_factor, high_freq_factor, origina
 
 
 # %% tags=["check"]
+import math
+
 import torch
 
-from nanovllm.layers.rotary import rope_inverse_frequencies
+
+def reference_llama3(freqs, factor, low, high, old):
+    """float64, one frequency at a time."""
+    out, regimes = [], set()
+    for f in freqs:
+        wavelength = 2 * math.pi / f
+        if wavelength < old / high:  # fast: unchanged
+            out.append(f)
+            regimes.add("kept")
+        elif wavelength > old / low:  # slow: interpolated by `factor`
+            out.append(f / factor)
+            regimes.add("divided")
+        else:
+            sigma = (old / wavelength - low) / (high - low)
+            out.append((1 - sigma) * f / factor + sigma * f)
+            regimes.add("blended")
+    return out, regimes
+
 
 for head_dim, theta, factor, low, high, old in [(128, 500_000.0, 8.0, 1.0, 4.0, 8192),
                                                 (64, 10_000.0, 4.0, 1.0, 4.0, 2048),
                                                 (128, 1e6, 32.0, 2.0, 8.0, 4096)]:
-    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
-               "high_freq_factor": high, "original_max_position_embeddings": old}
-    base = rope_inverse_frequencies(head_dim, theta, None)
-    expected = rope_inverse_frequencies(head_dim, theta, scaling)
+    # the unscaled inverse frequencies theta^(-2i/d), in float32 as a model holds them
+    base = torch.tensor([theta ** (-i / head_dim) for i in range(0, head_dim, 2)],
+                        dtype=torch.float32)
+    expected, regimes = reference_llama3(base.double().tolist(), factor, low, high, old)
+    assert regimes == {"kept", "divided", "blended"}  # every case exercises all three rules
     got = llama3_inv_freq(base, factor, low, high, old)
-    torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
-print("Exercise 2 passed: llama3_inv_freq matches nanovllm.layers.rotary")
+    assert got.shape == base.shape, f"shape {tuple(got.shape)}, expected {tuple(base.shape)}"
+    case = f"head_dim {head_dim}, theta {theta}, factor {factor}, low {low}, high {high}"
+    torch.testing.assert_close(got.double(), torch.tensor(expected, dtype=torch.float64),
+                               rtol=1e-6, atol=0, msg=lambda m, case=case: f"{case}: {m}")
+print("Exercise 2 passed: llama3_inv_freq matches a float64 reference in all three regimes")
 
 # %% [markdown]
 # **Exercise 3 — how many requests fit?** Write `max_concurrent(num_kv_blocks, block_size,
 # seq_len)`: how many sequences of `seq_len` tokens can hold their KV cache at once in a
-# cache of `num_kv_blocks` blocks of `block_size` tokens (no prefix sharing). The check fills
-# the package's block manager until it refuses.
+# cache of `num_kv_blocks` blocks of `block_size` tokens (no prefix sharing). The check tries
+# hand-worked cases, then fills a model of the free list, block by block, until it runs out.
 
 # %% tags=["exercise"]
 def max_concurrent(num_kv_blocks: int, block_size: int, seq_len: int) -> int:
@@ -1173,20 +1216,32 @@ def max_concurrent(num_kv_blocks: int, block_size: int, seq_len: int) -> int:
 # %% tags=["check"]
 import random
 
-from nanovllm import SamplingParams
-from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.sequence import Sequence
+assert max_concurrent(100, 16, 16) == 100, "16 tokens fill exactly one block of 16"
+assert max_concurrent(100, 16, 17) == 50, "17 tokens need 2 blocks: a partial block is a block"
+assert max_concurrent(10, 256, 700) == 3, "700 tokens need 3 blocks of 256"
+assert max_concurrent(1, 16, 17) == 0, "a sequence that needs 2 blocks does not fit in 1"
+
+
+def fill_until_full(num_kv_blocks, block_size, seq_len):
+    free, fitted = num_kv_blocks, 0
+    while True:
+        taken, stored = 0, 0
+        while stored < seq_len and taken < free:  # take blocks until the sequence is stored
+            taken += 1
+            stored += block_size
+        if stored < seq_len:  # ran out of free blocks: this one does not fit
+            return fitted
+        free -= taken
+        fitted += 1
+
 
 rng = random.Random(1103)
-for _ in range(6):
-    blocks, bs, length = rng.randint(1, 300), rng.choice([16, 32, 256]), rng.randint(1, 700)
-    manager = BlockManager(blocks, bs, enable_prefix_caching=False)
-    fitted = 0
-    while manager.allocate(Sequence(list(range(length)), SamplingParams()), length):
-        fitted += 1
+for _ in range(50):
+    blocks, bs, length = rng.randint(1, 300), rng.choice([1, 16, 32, 256]), rng.randint(1, 700)
+    expected = fill_until_full(blocks, bs, length)
     got = max_concurrent(blocks, bs, length)
-    assert got == fitted, f"{blocks} blocks of {bs}, length {length}: {got} != {fitted}"
-print("Exercise 3 passed: max_concurrent agrees with nanovllm's BlockManager")
+    assert got == expected, f"{blocks} blocks of {bs}, length {length}: {got} != {expected}"
+print("Exercise 3 passed: max_concurrent agrees with hand-worked cases and a filled free list")
 
 # %% [markdown]
 # ## Summary

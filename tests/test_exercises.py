@@ -1,13 +1,17 @@
-"""Run every chapter's exercises against their checks, one pair at a time.
+"""Every chapter's notebook exercises against their checks (nanovllm/course/exercises.py).
 
-Each exercise is two cells of a chapter's ``.py`` source: one tagged ``exercise`` (the
-function the reader writes; the shipped solution sits between ``# BEGIN SOLUTION`` and
-``# END SOLUTION``) and the ``check`` cell after it. Both are self-contained, so graders can
-run a student's chapter file alone: ``pytest -m ex04 tests/test_exercises.py``.
+Each pair runs with ``nanovllm`` unimportable: an exercise cannot pass by calling the
+package's own function, and a check cannot compare against the package (in the course the
+student writes it, so that would be circular); checks use frozen values, properties or a
+reference written differently. Each check must also fail on the student edition's stub, so
+no check passes without a solution. Ids are stable: ``01.rms_norm``; graders can run one
+chapter with ``pytest -m ex04 tests/test_exercises.py``.
 """
 
 from __future__ import annotations
 
+import builtins
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,35 +19,48 @@ import pytest
 CHAPTERS = Path(__file__).resolve().parents[1] / "chapters"
 
 
-def _exercise_pairs() -> list:
+def _exercises() -> list:
     try:
-        import jupytext
+        import jupytext  # noqa: F401
     except ImportError:  # e.g. a GPU machine set up for `pytest -m gpu` only
-        return [pytest.param(None, None, marks=pytest.mark.skip(reason="needs jupytext"))]
+        return [pytest.param(None, marks=pytest.mark.skip(reason="needs jupytext"))]
+    from nanovllm.course.exercises import chapter_exercises
+
     params = []
     for source in sorted(CHAPTERS.glob("[0-9][0-9]_*.py")):
-        cells = jupytext.read(source).cells
-        chapter = source.stem[:2]
-        for i, cell in enumerate(cells):
-            if "exercise" not in cell.metadata.get("tags", []):
-                continue
-            check = next((c for c in cells[i + 1 :] if c.cell_type == "code"), None)
-            assert check is not None and "check" in check.metadata.get("tags", []), (
-                f"{source.name}: an exercise cell must be followed by its check cell"
-            )
-            params.append(
-                pytest.param(
-                    cell.source,
-                    check.source,
-                    id=f"{source.stem}-{len(params)}",
-                    marks=getattr(pytest.mark, f"ex{chapter}"),
-                )
-            )
+        for exercise in chapter_exercises(source):
+            mark = getattr(pytest.mark, f"ex{exercise.id[:2]}")
+            params.append(pytest.param(exercise, id=exercise.id, marks=mark))
     return params
 
 
-@pytest.mark.parametrize("exercise, check", _exercise_pairs())
-def test_exercise(exercise: str, check: str) -> None:
+@pytest.fixture
+def without_nanovllm(monkeypatch):
+    """`import nanovllm` (and any submodule) raises ImportError while the cells run."""
+    for name in [n for n in sys.modules if n == "nanovllm" or n.startswith("nanovllm.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    real_import = builtins.__import__
+
+    def guarded(name, *args, **kwargs):
+        if name == "nanovllm" or name.startswith("nanovllm."):
+            raise ImportError(f"exercises and checks must not import {name}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", guarded)
+
+
+def _run(exercise_source: str, check: str) -> None:
     namespace: dict = {"__name__": "__exercise__"}
-    exec(compile(exercise, "<exercise>", "exec"), namespace)
+    exec(compile(exercise_source, "<exercise>", "exec"), namespace)
     exec(compile(check, "<check>", "exec"), namespace)
+
+
+@pytest.mark.parametrize("exercise", _exercises())
+def test_exercise_passes_its_check(exercise, without_nanovllm) -> None:
+    _run(exercise.source, exercise.check)
+
+
+@pytest.mark.parametrize("exercise", _exercises())
+def test_check_fails_on_the_student_stub(exercise, without_nanovllm) -> None:
+    with pytest.raises(NotImplementedError, match=f"exercise {exercise.id[:2]}\\."):
+        _run(exercise.stripped, exercise.check)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from course_ids import ENGINE, MODEL
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.context import attention_metadata
@@ -62,7 +63,7 @@ def tiny(request, tmp_path_factory):
     return _tiny_hf_model(*CASES[request.param], path), path
 
 
-@pytest.mark.assignment("01.rmsnorm", "01.rope")
+@pytest.mark.assignment(*MODEL)
 def test_logits_match_transformers(tiny):
     hf, path = tiny
     cfg = ModelConfig.from_pretrained(path)
@@ -75,6 +76,7 @@ def test_logits_match_transformers(tiny):
     assert (logits - expected).abs().max() <= TOLERANCE
 
 
+@pytest.mark.assignment(*ENGINE)
 def test_engine_greedy_matches_transformers(tiny):
     hf, path = tiny
     gen = torch.Generator().manual_seed(2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from course_ids import ENGINE
 
 from nanovllm import LLM, SamplingParams
 
@@ -36,9 +37,7 @@ def reference(smollm2_dir):
     return prompts, [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
-@pytest.mark.assignment(
-    "01.rmsnorm", "01.rope", "04.cached_prefix", "04.allocate", "04.free"
-)
+@pytest.mark.assignment(*ENGINE)
 def test_prefix_caching_gives_identical_outputs_and_hits(smollm2_dir, reference):
     prompts, expected = reference
     llm = LLM(smollm2_dir, enable_prefix_caching=True, num_kv_blocks=KV_BLOCKS)
@@ -50,9 +49,7 @@ def test_prefix_caching_gives_identical_outputs_and_hits(smollm2_dir, reference)
     assert all(o.metrics.num_cached_prompt_tokens > 0 for o in outs)
 
 
-@pytest.mark.assignment(
-    "01.rmsnorm", "01.rope", "04.cached_prefix", "04.allocate", "04.free"
-)
+@pytest.mark.assignment(*ENGINE, "06.preempt")
 def test_prefix_caching_under_preemption(smollm2_dir, reference):
     prompts, expected = reference
     # Room for the longest request plus one block: sequences must take turns.
@@ -64,9 +61,7 @@ def test_prefix_caching_under_preemption(smollm2_dir, reference):
     assert [o.token_ids for o in outs] == expected
 
 
-@pytest.mark.assignment(
-    "01.rmsnorm", "01.rope", "04.cached_prefix", "04.allocate", "04.free"
-)
+@pytest.mark.assignment(*ENGINE)
 def test_a_burst_sharing_a_system_prompt_hits_as_well_with_async_scheduling(smollm2_dir):
     """Sixteen requests arrive together. Hashes are registered when a block's computation is
     scheduled, so the fifteen behind the first reuse the system prompt in the very step

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from course_ids import ENGINE
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.metrics import TimelineRecorder, latency_summary
@@ -126,9 +127,7 @@ def reference(tiny):
     return {n: _generate(tiny, n, enable_chunked_prefill=False)[1] for n in (12, 24)}
 
 
-@pytest.mark.assignment(
-    "01.rmsnorm", "01.rope", "06.chunk", "04.cached_prefix", "04.allocate", "04.free"
-)
+@pytest.mark.assignment(*ENGINE)
 @pytest.mark.parametrize("budget", [1, 3, 16, 61])
 def test_chunked_prefill_equals_unchunked(tiny, reference, budget):
     llm, ours = _generate(tiny, max_num_batched_tokens=budget)
@@ -155,9 +154,7 @@ POLICIES = {
 }
 
 
-@pytest.mark.assignment(
-    "01.rmsnorm", "01.rope", "04.cached_prefix", "04.allocate", "04.free", "06.chunk", "06.preempt"
-)
+@pytest.mark.assignment(*ENGINE, "06.preempt")
 @pytest.mark.parametrize("prefix_caching", [False, True])
 @pytest.mark.parametrize(
     "policy",
@@ -206,9 +203,7 @@ def test_request_and_step_metrics_add_up(tiny):
     assert summary["e2e_latency"]["p50"] <= summary["e2e_latency"]["p99"]
 
 
-@pytest.mark.assignment(
-    "01.rmsnorm", "01.rope", "04.cached_prefix", "04.allocate", "04.free", "06.chunk", "06.preempt"
-)
+@pytest.mark.assignment(*ENGINE, "06.preempt")
 def test_preemption_and_prefix_cache_metrics(tiny):
     llm = make_llm(tiny, num_kv_blocks=12, max_num_batched_tokens=40)
     outs = llm.generate(

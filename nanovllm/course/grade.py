@@ -28,20 +28,28 @@ PLUGIN_MODULE = "_nanovllm_course_plugin"
 
 
 def run_chapter(
-    chapter: str, student: Path, tests: list[str], timeout: float, workdir: Path
+    chapter: str | None,
+    student: Path,
+    tests: list[str],
+    timeout: float,
+    workdir: Path,
+    extra: tuple[str, ...] = (),
 ) -> dict:
-    """One pytest process for ``chapter``; returns the plugin's report plus ``status``."""
-    report_path = workdir / f"chapter{chapter}.json"
+    """One pytest process for ``chapter`` (None: every marked test); returns the plugin's
+    report plus ``status``. ``extra``: more pytest arguments (e.g. ``--collect-only``)."""
+    report_path = workdir / f"chapter{chapter or 'all'}.json"
     env = dict(os.environ)
     env.update(
         PYTHONPATH=os.pathsep.join([str(student), str(workdir)]),
         NANOVLLM_COURSE_REPORT=str(report_path),
-        NANOVLLM_COURSE_CHAPTER=chapter,
         NANOVLLM_COURSE_STUDENT=str(student),
         PYTHONHASHSEED="0",
         TQDM_DISABLE="1",
         HF_HUB_OFFLINE="1",
     )
+    env.pop("NANOVLLM_COURSE_CHAPTER", None)
+    if chapter:
+        env["NANOVLLM_COURSE_CHAPTER"] = chapter
     env.pop("PYTHONSAFEPATH", None)
     # -P: no current directory on sys.path (it would put the instructor's package first).
     cmd = [
@@ -61,6 +69,7 @@ def run_chapter(
         str(REPO),
         "-c",
         str(REPO / "pyproject.toml"),
+        *extra,
     ]
     try:
         proc = subprocess.run(
@@ -68,7 +77,7 @@ def run_chapter(
         )
     except subprocess.TimeoutExpired:
         return {"status": f"timeout after {timeout:g} s", "tests": []}
-    if proc.returncode not in (0, 1) or not report_path.exists():
+    if proc.returncode not in (0, 1, 5) or not report_path.exists():  # 5: no tests ran
         tail = (proc.stdout + proc.stderr)[-2000:]
         return {"status": f"crashed (exit {proc.returncode})", "tests": [], "output": tail}
     report = json.loads(report_path.read_text())

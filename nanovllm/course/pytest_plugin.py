@@ -46,15 +46,24 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         pytest.exit(f"nanovllm resolves to {_package['nanovllm']}, not below {student}", 3)
 
 
+@pytest.hookimpl(trylast=True)  # after `-m assignment` has deselected the rest
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     chapter = os.environ.get("NANOVLLM_COURSE_CHAPTER")
-    if not chapter:
-        return
-    keep = [i for i in items if any(a.startswith(chapter + ".") for a in assignment_ids(i))]
-    dropped = [i for i in items if i not in keep]
-    if dropped:
-        config.hook.pytest_deselected(items=dropped)
-        items[:] = keep
+    if chapter:
+        keep = [i for i in items if any(a.startswith(chapter + ".") for a in assignment_ids(i))]
+        dropped = [i for i in items if i not in keep]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = keep
+    for item in items:  # a test that never reports (e.g. --collect-only) stays "not run"
+        if assignment_ids(item):
+            _results[item.nodeid] = {
+                "nodeid": item.nodeid,
+                "assignments": assignment_ids(item),
+                "outcome": "not run",
+                "exception": None,
+                "stubs": [],
+            }
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -66,11 +75,13 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         {
             "nodeid": item.nodeid,
             "assignments": assignment_ids(item),
-            "outcome": "passed",
+            "outcome": "not run",
             "exception": None,
             "stubs": [],
         },
     )
+    if entry["outcome"] == "not run":
+        entry["outcome"] = "passed"
     if report.failed:
         entry["outcome"] = "failed" if entry["outcome"] != "error" else "error"
         if report.when != "call":

@@ -218,7 +218,7 @@ def check_parses(text: str, name: Path | str = "<cut>") -> None:
 def select(regions: list[Region], chapters=None, ids=None) -> list[Region]:
     """The regions of ``chapters`` (all when None), or exactly ``ids`` when given."""
     known = {r.id for r in regions}
-    if ids:
+    if ids is not None:
         unknown = set(ids) - known
         if unknown:
             raise RegionError(f"no such assignment: {', '.join(sorted(unknown))}")

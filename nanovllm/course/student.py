@@ -2,10 +2,11 @@
 
 ``python -m nanovllm.course.student --out dist/student [--chapters 04]``
 
-Copies what a student needs (the package, the chapters with their notebooks' outputs cleared,
-the public tests, the build files) and cuts the assignment regions of the chosen chapters (all
-by default; ``--chapters 04`` keeps every other chapter's reference solution, so that week's
-notebook runs end to end once chapter 04 is filled in). Instructor-only tests (listed in
+Copies what a student needs (the package, the chapters with their notebooks' outputs cleared
+and their exercises' worked solutions stripped, the public tests, the build files) and cuts
+the assignment regions of the chosen chapters (all by default; ``--chapters 04`` keeps every
+other chapter's reference solution, so that week's notebook runs end to end once chapter 04
+is filled in). Instructor-only tests (listed in
 ``tests/course/PRIVATE``, one path relative to tests/ a line, ``#`` comments) stay out,
 with ``tests/course/`` itself and ``chapters/INSTRUCTORS.md``.
 """
@@ -16,6 +17,7 @@ import argparse
 import shutil
 from pathlib import Path
 
+from nanovllm.course.exercises import strip_notebook, strip_solutions
 from nanovllm.course.regions import Region, cut_files, find_regions, select
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,20 +65,25 @@ def build(out: Path, chapters=None, ids=None, repo: Path = REPO) -> list[Region]
 
 
 def _copy_chapters(src: Path, dst: Path) -> None:
+    """Chapters with their exercises' worked solutions stripped and notebook outputs cleared."""
     import nbformat
 
     dst.mkdir(parents=True)
     for path in sorted(src.iterdir()):
+        chapter = path.stem[:2]
         if path.suffix == ".ipynb":
             nb = nbformat.read(path, as_version=4)
+            strip_notebook(nb, chapter)
             for cell in nb.cells:
                 if cell.cell_type == "code":
                     cell.outputs, cell.execution_count = [], None
             nbformat.validate(nb)
             nbformat.write(nb, dst / path.name)
+        elif path.suffix == ".py":
+            (dst / path.name).write_text(strip_solutions(path.read_text(), chapter))
         elif path.name == "INSTRUCTORS.md":
             continue
-        elif path.is_file() and (path.suffix in {".py", ".md", ".cfg"}):
+        elif path.is_file() and (path.suffix in {".md", ".cfg"}):
             shutil.copy2(path, dst / path.name)
 
 

@@ -4,7 +4,7 @@ A decode step of a small model launches hundreds of short kernels; on a fast GPU
 cannot issue them as fast as the GPU runs them. A CUDA graph records the whole forward
 pass once and replays it with a single launch. A graph replays exactly what it recorded,
 so (1) its inputs live in *static buffers* that each step copies into, and (2) it has a
-fixed batch size: we capture one graph per *bucket* (1, 2, 4, 8, 16, 24, 32, ...) and pad a
+fixed batch size: we capture one graph per *bucket* (1, 2, 4, 8, 16, 32, 48, ...) and pad a
 batch up to the next bucket. Padded rows write their keys nowhere (slot -1) and attend to
 nothing (length 0); their outputs are ignored.
 """
@@ -17,9 +17,67 @@ from nanovllm.context import AttentionMetadata, attention_metadata
 
 
 def batch_buckets(max_batch: int) -> list[int]:
-    """Powers of two up to 8, then multiples of 16: padding wastes at most ~15 rows."""
+    """Powers of two up to 8, then multiples of 16: padding wastes at most ~15 rows.
+
+    Handout (chapter 07 §3, assignment ``07.buckets``): return the batch sizes to capture a
+    graph for, ascending, for a batch of at most ``max_batch`` >= 1 sequences: 1, 2, 4, 8 (those
+    below ``max_batch``), then 16, 32, 48, ... up to the first multiple of 16 that holds
+    ``max_batch``; for ``max_batch <= 8``, the powers of two below it, then ``max_batch``
+    itself. So the largest bucket always holds ``max_batch``: ``batch_buckets(6) == [1, 2, 4,
+    6]``, ``batch_buckets(40) == [1, 2, 4, 8, 16, 32, 48]``.
+    """
+    # >>> assignment 07.buckets (3 points)
     small = [b for b in (1, 2, 4, 8) if b < max_batch]
     return small + list(range(16, max_batch + 16, 16)) if max_batch > 8 else small + [max_batch]
+    # <<< assignment 07.buckets
+
+
+class StaticInputs:
+    """The buffers a captured decode graph reads, and the padding contract that fills them.
+
+    A graph replays fixed addresses, so every step copies its inputs into these tensors, sized
+    for the largest bucket. Device-agnostic: on a CPU it shows (and tests) the padding.
+    """
+
+    def __init__(self, buckets: list[int], max_blocks: int, device: torch.device) -> None:
+        self.buckets = buckets
+        top = buckets[-1]
+        zeros = lambda *shape, dt=torch.int32: torch.zeros(shape, dtype=dt, device=device)  # noqa: E731
+        self.input_ids = zeros(top, dt=torch.int64)
+        self.positions = zeros(top, dt=torch.int64)
+        self.slot_mapping = torch.full((top,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = zeros(top)
+        self.block_tables = torch.full((top, max_blocks), -1, dtype=torch.int32, device=device)
+        self.cu_seqlens_q = torch.arange(top + 1, dtype=torch.int32, device=device)
+
+    def fill(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> int:
+        """Copy one decode batch into the buffers, pad it to its bucket; return the bucket.
+
+        Handout (chapter 07 §3.1, assignment ``07.pad``): the batch has ``n =
+        len(input_ids)`` decode rows (``n <= self.buckets[-1]``); choose the smallest bucket
+        ``bs >= n``. Rows ``:n`` of ``self.input_ids``, ``self.positions``,
+        ``self.slot_mapping`` and ``self.seq_lens`` get ``input_ids``, ``positions``,
+        ``meta.slot_mapping`` and ``meta.seq_lens_k``; the first ``meta.block_tables.shape[1]``
+        columns of ``self.block_tables[:n]`` get ``meta.block_tables``. Padding rows ``n:bs``
+        must be harmless whatever an earlier, larger batch left there: slot -1 (store nothing)
+        and sequence length 0 (attend to nothing). Their token ids, positions and block tables
+        may keep stale values: nothing reads them once the length is 0.
+        """
+        # >>> assignment 07.pad (5 points)
+        n = input_ids.shape[0]
+        bs = next(b for b in self.buckets if b >= n)
+        self.input_ids[:n] = input_ids
+        self.positions[:n] = positions
+        self.slot_mapping[:n] = meta.slot_mapping
+        self.slot_mapping[n:bs] = -1
+        self.seq_lens[:n] = meta.seq_lens_k
+        self.seq_lens[n:bs] = 0
+        width = meta.block_tables.shape[1]
+        self.block_tables[:n, :width] = meta.block_tables
+        return bs
+        # <<< assignment 07.pad
 
 
 class DecodeGraphs:
@@ -38,24 +96,18 @@ class DecodeGraphs:
         self.model = model
         self.max_len = max_blocks * block_size
         self.buckets = batch_buckets(max_batch)
-        top = self.buckets[-1]
-        zeros = lambda *shape, dt=torch.int32: torch.zeros(shape, dtype=dt, device=device)  # noqa: E731
-        self.input_ids = zeros(top, dt=torch.int64)
-        self.positions = zeros(top, dt=torch.int64)
-        self.slot_mapping = torch.full((top,), -1, dtype=torch.int64, device=device)
-        self.seq_lens = zeros(top)
-        self.block_tables = torch.full((top, max_blocks), -1, dtype=torch.int32, device=device)
-        self.cu_seqlens_q = torch.arange(top + 1, dtype=torch.int32, device=device)
-        self.hidden = torch.zeros(top, hidden_size, dtype=dtype, device=device)
+        self.inputs = StaticInputs(self.buckets, max_blocks, device)
+        self.hidden = torch.zeros(self.buckets[-1], hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._capture_all()
 
     def _metadata(self, bs: int) -> AttentionMetadata:
+        inputs = self.inputs
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bs],
-            cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
-            seq_lens_k=self.seq_lens[:bs],
-            block_tables=self.block_tables[:bs],
+            slot_mapping=inputs.slot_mapping[:bs],
+            cu_seqlens_q=inputs.cu_seqlens_q[: bs + 1],
+            seq_lens_k=inputs.seq_lens[:bs],
+            block_tables=inputs.block_tables[:bs],
             max_seqlen_q=1,
             max_seqlen_k=self.max_len,  # a bound: the real lengths change at every replay
             num_decodes=bs,
@@ -65,14 +117,14 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        pool = None
+        pool, ids, positions = None, self.inputs.input_ids, self.inputs.positions
         for bs in reversed(self.buckets):  # largest first: smaller graphs reuse its memory
             graph = torch.cuda.CUDAGraph()
             with attention_metadata(self._metadata(bs)):
-                self.model(self.input_ids[:bs], self.positions[:bs])  # warm-up outside capture
+                self.model(ids[:bs], positions[:bs])  # warm-up outside capture
                 torch.cuda.synchronize()
                 with torch.cuda.graph(graph, pool=pool):
-                    self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])
+                    self.hidden[:bs] = self.model(ids[:bs], positions[:bs])
             pool = graph.pool() if pool is None else pool
             self.graphs[bs] = graph
         torch.cuda.synchronize()
@@ -84,15 +136,6 @@ class DecodeGraphs:
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """Copy one decode batch into the static buffers, replay, return its hidden states."""
-        n = input_ids.shape[0]
-        bs = next(b for b in self.buckets if b >= n)
-        self.input_ids[:n] = input_ids
-        self.positions[:n] = positions
-        self.slot_mapping[:n] = meta.slot_mapping
-        self.slot_mapping[n:bs] = -1
-        self.seq_lens[:n] = meta.seq_lens_k
-        self.seq_lens[n:bs] = 0
-        width = meta.block_tables.shape[1]
-        self.block_tables[:n, :width] = meta.block_tables
+        bs = self.inputs.fill(input_ids, positions, meta)
         self.graphs[bs].replay()
-        return self.hidden[:n]
+        return self.hidden[: input_ids.shape[0]]

@@ -202,6 +202,21 @@ def _combine_splits_kernel(
     D_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
 ):
+    """Merge the split-KV partials of one (sequence, query head) into its output row.
+
+    Handout (chapter 05 §6, assignment ``05.combine_splits``): this program is
+    ``(b, h) = (tl.program_id(0), tl.program_id(1))`` of a ``[B, num_heads]`` grid. Split s of
+    ``num_splits`` left, at index ``part = (b * num_heads + h) * num_splits + s``, its running
+    max ``m_ptr[part]`` (base-2 scores, ``-inf`` for a split that saw no key), its running sum
+    ``l_ptr[part]`` and its unnormalised output ``acc_ptr[part * D_PAD + d]`` for
+    ``d < D_PAD``, all fp32. Store the merged row ``sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M)
+    l_s`` with ``M = max_s m_s`` at ``out_ptr + b * stride_ob + h * stride_oh + d`` for
+    ``d < HEAD_DIM``, cast to the output's dtype. A row whose splits all saw no key (a padded
+    CUDA-graph row) must get zeros, not NaN. Hint: load all splits at once with
+    ``tl.arange(0, SPLITS_PAD)`` and a mask (``other=-inf`` for m, ``0`` for l and acc);
+    ``tl.exp2``, ``tl.max``, ``tl.sum(x, 0)`` and ``tl.where`` are all you need.
+    """
+    # >>> assignment 05.combine_splits (7 points)
     b = tl.program_id(0)
     h = tl.program_id(1)
     num_heads = tl.num_programs(1)
@@ -224,6 +239,7 @@ def _combine_splits_kernel(
         out.to(out_ptr.dtype.element_ty),
         mask=d < HEAD_DIM,
     )
+    # <<< assignment 05.combine_splits
 
 
 @functools.cache
@@ -242,12 +258,18 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: 
     SM holds several and memory latency is hidden, but give no split fewer than
     ``MIN_SPLIT_TOKENS`` of the ``max_seq_len`` keys and make at most ``MAX_SPLITS``.
     On an H200 (132 SMs), 8 KV heads: batch >= 33 -> 1; batch 16 -> 5; batch 1 at 4096 keys -> 32.
+
+    Handout (chapter 05 §6, assignment ``05.num_splits``): return that rule as an int >= 1,
+    from the four arguments and the module's four constants only (no device query: the call
+    must be capturable in a CUDA graph). ``programs`` below 1 counts as 1.
     """
+    # >>> assignment 05.num_splits (3 points)
     programs = batch * num_kv_heads
     if programs >= FULL_PROGRAMS_PER_SM * num_sms:
         return 1
     wanted = math.ceil(TARGET_PROGRAMS_PER_SM * num_sms / max(programs, 1))
     return max(1, min(wanted, max_seq_len // MIN_SPLIT_TOKENS, MAX_SPLITS))
+    # <<< assignment 05.num_splits
 
 
 def _launch_config(head_dim: int, on_gpu: bool) -> tuple[int, int, int]:

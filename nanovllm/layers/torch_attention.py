@@ -23,12 +23,24 @@ def store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Write each new token's key and value into its slot; slot -1 means skip."""
+    """Write each new token's key and value into its slot; slot -1 means skip.
+
+    Handout (chapter 03 §1.3, assignment ``03.store_kv``): ``key`` and ``value`` are
+    ``[T, num_kv_heads, head_dim]``, one row per new token of the step; ``slot_mapping`` is
+    ``[T]`` (int): token i goes to row ``slot_mapping[i] % block_size`` of block
+    ``slot_mapping[i] // block_size`` of ``k_cache`` / ``v_cache``
+    (``[num_blocks, block_size, num_kv_heads, head_dim]``), in place. A slot of -1 is padding
+    (a CUDA-graph row, chapter 07): write nothing for it. Return nothing.
+    Hint: viewed as ``[num_blocks * block_size, num_kv_heads, head_dim]`` the cache is indexed
+    by the slot itself; drop the -1 rows first (index -1 would write the last row).
+    """
+    # >>> assignment 03.store_kv (4 points)
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = key
     v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = value
+    # <<< assignment 03.store_kv
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -42,7 +54,19 @@ def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """Attention of q [Lq, H, d] over k, v [Lk, Hkv, d], where the queries are the *last*
-    Lq of the Lk positions: query i sees keys 0 .. Lk - Lq + i."""
+    Lq of the Lk positions: query i sees keys 0 .. Lk - Lq + i.
+
+    Handout (chapter 02 §2.2–2.6 and §3, assignment ``02.causal_attention``): return
+    ``[Lq, H, d]`` in ``q``'s dtype, ``softmax(scale * q k^T) v`` per head, where query head h
+    reads KV head ``h // (H // Hkv)`` (grouped-query attention) and query i may see key j only
+    if ``j <= Lk - Lq + i``. Three cases: a whole prompt (``Lq == Lk``, the usual causal
+    triangle), one decode query (``Lq == 1``: it sees every key) and a chunk after a cached
+    prefix (``1 < Lq < Lk``: the triangle shifted right by ``Lk - Lq``).
+    Hint: ``F.scaled_dot_product_attention`` takes ``[heads, L, d]`` tensors, a boolean
+    ``attn_mask`` (True = may attend), ``is_causal`` (the unshifted triangle only), ``scale``
+    and ``enable_gqa=True``.
+    """
+    # >>> assignment 02.causal_attention (6 points)
     lq, lk = q.shape[0], k.shape[0]
     q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
     mask = None
@@ -53,6 +77,7 @@ def causal_attention(
         q, k, v, attn_mask=mask, is_causal=1 < lq == lk, scale=scale, enable_gqa=True
     )
     return out.transpose(0, 1)
+    # <<< assignment 02.causal_attention
 
 
 def decode_attention(
@@ -63,7 +88,18 @@ def decode_attention(
     block_tables: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """One query per sequence, all sequences at once: gather, pad, mask, attend."""
+    """One query per sequence, all sequences at once: gather, pad, mask, attend.
+
+    Handout (chapter 03 §1.3, assignment ``03.decode_attention``): ``q`` is ``[B, H, d]``, the
+    one new query of each of B sequences, whose key and value are already stored; sequence b
+    has ``seq_lens[b]`` cached tokens, token t in block ``block_tables[b, t // block_size]``
+    at row ``t % block_size`` (entries past its last block are -1). Return ``[B, H, d]``: each
+    query attending over all of its own sequence's tokens (GQA as in ``causal_attention``).
+    Hint: index the cache with the (clamped) block tables to gather ``[B, L, Hkv, d]`` for
+    the longest length L, and mask the rows past each sequence's end with ``attn_mask``; the
+    cache holds only finite numbers, so masked rows cannot poison the result.
+    """
+    # >>> assignment 03.decode_attention (6 points)
     block_size = k_cache.shape[1]
     max_len = int(seq_lens.max())
     tables = block_tables[:, : -(-max_len // block_size)].long().clamp(min=0)
@@ -78,6 +114,7 @@ def decode_attention(
         q.unsqueeze(2), k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
     )
     return out.squeeze(2)
+    # <<< assignment 03.decode_attention
 
 
 def paged_attention(
@@ -87,7 +124,18 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Attention for a packed batch: decodes batched together, then each prefill chunk."""
+    """Attention for a packed batch: decodes batched together, then each prefill chunk.
+
+    Handout (chapter 02 §2.6, assignment ``02.paged_attention``): the step's tokens are
+    packed along dim 0 of ``q`` (``[T, H, d]``): the ``meta.num_decodes`` decode sequences
+    first (one query each), then each prefill chunk. Sequence b owns query rows
+    ``meta.cu_seqlens_q_host[b] : meta.cu_seqlens_q_host[b + 1]`` and has
+    ``meta.seq_lens_k_host[b]`` tokens in the cache (this step's included), reached through
+    ``meta.block_tables[b]``. Return ``[T, H, d]``: every query row attended over its own
+    sequence only. Hint: ``decode_attention`` takes all decode rows at once; for each prefill
+    chunk, ``gather_kv`` its keys and values and call ``causal_attention``.
+    """
+    # >>> assignment 02.paged_attention (5 points)
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd:
@@ -100,3 +148,4 @@ def paged_attention(
         v = gather_kv(v_cache, meta.block_tables[b], lens[b])
         out[cu[b] : cu[b + 1]] = causal_attention(q[cu[b] : cu[b + 1]], k, v, scale)
     return out
+    # <<< assignment 02.paged_attention

@@ -17,6 +17,7 @@ import os
 
 import pytest
 import torch
+from course_ids import MODEL
 
 from nanovllm.context import attention_metadata
 from nanovllm.layers.activation import SiluAndMul
@@ -107,7 +108,7 @@ def tiny_random_model(arch: str, heads: int, kv_heads: int, head_dim: int, hidde
     return model.eval()
 
 
-@pytest.mark.assignment("01.rmsnorm", "01.rope")
+@pytest.mark.assignment(*MODEL)
 @pytest.mark.parametrize("name", list(MODELS))
 def test_fused_model_matches_torch_path(name):
     model = tiny_random_model(*MODELS[name])

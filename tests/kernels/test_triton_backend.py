@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+from course_ids import ENGINE
 
 from nanovllm import LLM, SamplingParams
 
@@ -36,6 +37,7 @@ def tiny_llama(tmp_path_factory):
 
 
 @needs_kernels
+@pytest.mark.assignment(*ENGINE, "05.combine_splits", "05.num_splits")
 def test_triton_backend_matches_torch_backend(tiny_llama):
     gen = torch.Generator().manual_seed(0)
     shared = torch.randint(0, 256, (40,), generator=gen).tolist()

@@ -1,0 +1,20 @@
+"""The assignment ids a test needs when it runs a whole component (nanovllm/course).
+
+A test carries every assignment its code path reaches, so that in a whole-course student
+edition it is graded only once all of them are filled in (one unfinished stub must not cost
+another assignment's points). `python -m nanovllm.course.audit` checks these lists.
+"""
+
+# A forward pass of the model without a KV cache (what tests/test_models.py runs).
+MODEL = ("01.rmsnorm", "01.rope", "02.causal_attention")
+# One engine step on CPU: the torch attention backend over the paged cache, the block
+# manager and the scheduler's admission (every admission chunks, even whole prompts).
+ENGINE = MODEL + (
+    "02.paged_attention",
+    "03.store_kv",
+    "03.decode_attention",
+    "04.cached_prefix",
+    "04.allocate",
+    "04.free",
+    "06.chunk",
+)
