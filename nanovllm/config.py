@@ -2,8 +2,8 @@
 
 Each component of the book can be switched on or off from here, so a chapter can measure
 exactly what its component buys: ``attention_backend``, ``enable_prefix_caching``,
-``enable_chunked_prefill``, ``enforce_eager``, ``async_scheduling``, ``scheduler_policy``
-and the KV budget.
+``enable_chunked_prefill``, ``enforce_eager``, ``async_scheduling``, ``scheduler_policy``,
+``quantization`` and ``kv_cache_dtype`` (chapter 08) and the KV budget.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from nanovllm.engine.policies import get_policy
+from nanovllm.layers.quantization import KV_CACHE_DTYPES, QUANTIZATION_METHODS
 from nanovllm.sampling_params import SEED_RANGE, Rule, check_fields, is_bool, is_int, is_number
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -64,6 +65,9 @@ _RULES: tuple[Rule, ...] = (
     ("kv_cache_memory", _optional(_positive_int), "None or a number of bytes >= 1"),
     ("tensor_parallel_size", is_int, "an int"),
     ("logprobs_mode", *_one_of(LOGPROBS_MODES)),
+    ("quantization", _optional(_one_of(QUANTIZATION_METHODS)[0]),
+     f"None or one of {QUANTIZATION_METHODS}"),
+    ("kv_cache_dtype", *_one_of(KV_CACHE_DTYPES)),
     ("seed", lambda x: is_int(x) and SEED_RANGE[0] <= x <= SEED_RANGE[1],
      "an int in [-2**63, 2**64 - 1]"),
 )
@@ -103,6 +107,15 @@ class EngineConfig:
     # ("raw_logprobs"), or "processed_logprobs": after penalties, bias, masks and temperature
     # but before top-k/top-p/min-p (vLLM applies those too; chapter 01, section 2.5).
     logprobs_mode: str = "raw_logprobs"
+    # Chapter 08, vLLM's names. quantization: None (the checkpoint's own: None, or "fp8" for
+    # an fp8 checkpoint), "int8" (int8 weights, W8A16) or "fp8" (e4m3 weights and per-token
+    # activations, W8A8): linear layers are quantized at load time, per output channel;
+    # embeddings and the LM head keep ``dtype``. "fp8" needs a GPU of compute capability
+    # >= 8.9 (Ada, Hopper); on CPU it runs an emulation (fp8 values, fp32 matmul) that gives
+    # fp8's accuracy but not its speed. kv_cache_dtype: "auto" (= dtype) or "fp8" (e4m3, one
+    # scale per layer; the torch attention backend only, for now), which halves KV bytes.
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
@@ -126,6 +139,7 @@ class EngineConfig:
                 "Hugging Face model folder (nanovllm.smollm2_path() gives one)"
             )
         self._resolve_device()
+        self._check_quantization()
         if self.async_scheduling is None:
             self.async_scheduling = self.device.startswith("cuda")
         if self.dtype == "auto":
@@ -145,11 +159,39 @@ class EngineConfig:
             count = torch.cuda.device_count()
             raise ValueError(f"EngineConfig.device is {self.device!r} but there are {count} GPUs")
 
+    def _check_quantization(self) -> None:
+        """Take an fp8 checkpoint's own method; refuse what the device cannot run."""
+        from nanovllm.layers.quantization.fp8 import MIN_FP8_CAPABILITY, fp8_supported
+        from nanovllm.layers.quantization.fp8_checkpoint import read_checkpoint_quantization
+
+        if read_checkpoint_quantization(self.model) is not None:  # (raises for gptq etc.)
+            if self.quantization not in (None, "fp8"):
+                raise ValueError(
+                    f"EngineConfig.quantization is {self.quantization!r} but {self.model} "
+                    "holds an fp8 checkpoint (config.json quantization_config); pass "
+                    "quantization=None or 'fp8'"
+                )
+            self.quantization = "fp8"
+        if self.quantization == "fp8" and not fp8_supported(self.device):
+            major, minor = torch.cuda.get_device_capability(self.device)
+            need = ".".join(map(str, MIN_FP8_CAPABILITY))
+            raise ValueError(
+                f"quantization='fp8' needs a GPU with fp8 support (compute capability >= "
+                f"{need}: Ada, Hopper or newer); {self.device} has {major}.{minor}. Use "
+                "quantization='int8', or device='cpu' for the (slow) emulated fp8 path"
+            )
+
     def _check_backend(self) -> None:
         """Refuse, now rather than at the first step, what the chosen backend cannot run."""
         from nanovllm.layers.attention import resolve_backend_name  # (imports the layers)
 
         backend = resolve_backend_name(self.attention_backend, torch.device(self.device).type)
+        if self.kv_cache_dtype == "fp8" and backend != "torch":
+            raise ValueError(
+                f"kv_cache_dtype='fp8' needs attention_backend='torch' for now: the "
+                f"{backend!r} attention kernels do not read an fp8 cache yet "
+                f"(attention_backend={self.attention_backend!r} on {self.device})"
+            )
         if backend == "flash_attn":
             raise ValueError("attention_backend='flash_attn' needs the flash-attn package")
         if backend != "triton":

@@ -122,11 +122,16 @@ def test_decode_attention_matches_float64(block_size):
         torch.testing.assert_close(out[b].double(), expected, **TOL, msg=f"sequence {b}")
 
 
-@pytest.mark.assignment("02.paged_attention", "02.causal_attention", "03.decode_attention")
 @pytest.mark.parametrize(
     "num_decodes, new_tokens, lengths",
-    [(2, [1, 1, 6, 4], [12, 5, 6, 13]), (0, [3, 7, 2], [3, 7, 9]), (3, [1, 1, 1], [4, 30, 9])],
-    ids=["mixed", "prefills-only", "decodes-only"],
+    [
+        pytest.param(2, [1, 1, 6, 4], [12, 5, 6, 13], id="mixed", marks=pytest.mark.assignment(
+            "02.paged_attention", "02.causal_attention", "03.decode_attention")),
+        pytest.param(0, [3, 7, 2], [3, 7, 9], id="prefills-only", marks=pytest.mark.assignment(
+            "02.paged_attention", "02.causal_attention")),
+        pytest.param(3, [1, 1, 1], [4, 30, 9], id="decodes-only", marks=pytest.mark.assignment(
+            "02.paged_attention", "03.decode_attention")),
+    ],
 )
 def test_paged_attention_over_a_packed_batch(num_decodes, new_tokens, lengths):
     """Decodes first, then whole prompts and chunks after a cached prefix, packed."""

@@ -185,6 +185,8 @@ BAD_ENGINE = [
     ("kv_cache_memory", [0, 1e9, True]),
     ("tensor_parallel_size", ["1", True, 1.0]),
     ("seed", [2**64, -(2**63) - 1, 1.5, True, None]),
+    ("quantization", ["int4", "awq", "", "INT8", 8, True]),
+    ("kv_cache_dtype", ["fp16", "fp8_e5m2", "int8", None, 8]),
 ]
 
 GOOD_ENGINE = [
@@ -201,6 +203,8 @@ GOOD_ENGINE = [
     ("scheduler_policy", ["fcfs", "priority", "fair", "mixed", PriorityPolicy(),
                           lambda seqs, now: seqs]),
     ("seed", [0, -1, *SEED_RANGE]),
+    ("quantization", [None, "int8", "fp8"]),  # (fp8 on a CPU: the emulated path)
+    ("kv_cache_dtype", ["auto", "fp8"]),  # (fp8: the torch backend, which "auto" is on CPU)
 ]
 
 

@@ -24,6 +24,9 @@ from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 from nanovllm.layers.attention import Attention, select_backend
 from nanovllm.layers.fused import set_fused_kernels
 from nanovllm.layers.logits_processors import process_logits
+from nanovllm.layers.quantization import process_weights_after_loading
+from nanovllm.layers.quantization.fp8_checkpoint import read_checkpoint_quantization
+from nanovllm.layers.quantization.kv_cache import fp8_kv_backend, kv_cache_dtype
 from nanovllm.layers.sampler import Sampler, compute_logprobs
 from nanovllm.models import ModelConfig, get_model_class
 from nanovllm.weights.loader import load_dummy, load_safetensors
@@ -77,9 +80,12 @@ class ModelRunner:
         self.config, self.model_config = config, model_config
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
+        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)  # e4m3 for "fp8"
         self.block_size = config.block_size
         self.model = self._build_model()
         self.backend = select_backend(config.attention_backend, self.device)
+        if config.kv_cache_dtype == "fp8":  # store e4m3, dequantize on load (chapter 08)
+            self.backend = fp8_kv_backend(self.backend)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attention_layers:
             layer.backend = self.backend
@@ -114,7 +120,15 @@ class ModelRunner:
         if self.config.load_format == "dummy":
             load_dummy(model, self.config.seed)
         else:
-            load_safetensors(model, self.config.model)
+            checkpoint_format = read_checkpoint_quantization(self.config.model)
+            load_safetensors(model, self.config.model, checkpoint_format)
+        # Only now are packed layers complete: quantize them (chapter 08).
+        if process_weights_after_loading(model, self.config.quantization) and (
+            self.device.type == "cuda"
+        ):
+            # The replaced high-precision weights sit in PyTorch's cache, which the KV budget
+            # (free device memory) would count as taken: give them back to the driver.
+            torch.cuda.empty_cache()
         return model.eval()
 
     def capture_graphs(self) -> None:
@@ -142,7 +156,7 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
 
     def kv_bytes_per_block(self) -> int:
-        per_token = self.model_config.kv_bytes_per_token(self.dtype.itemsize)
+        per_token = self.model_config.kv_bytes_per_token(self.kv_dtype.itemsize)
         return per_token * self.block_size
 
     def _kv_budget_in_blocks(self) -> int:
@@ -172,7 +186,7 @@ class ModelRunner:
         shape = (2, cfg.num_layers, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         # Zeros, not empty: the torch backend reads (masked) padding slots, and garbage
         # NaNs there would survive the mask (0 * NaN = NaN).
-        cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = cache[0, i], cache[1, i]
         return cache

@@ -49,3 +49,28 @@ def round_to(x, dtype: tl.constexpr, INTERPRETED_BF16: tl.constexpr):
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         x = bits.to(tl.float32, bitcast=True)
     return x.to(dtype)
+
+
+FP8_E4M3_MAX = 448.0
+
+
+@triton.jit
+def round_to_e4m3(x, INTERPRETED: tl.constexpr):
+    """fp32 ``x`` (already clamped to +-448) as float8 e4m3fn, rounded to nearest even.
+
+    Used by the fp8 KV cache (chapter 08). The interpreter's fp32 -> e4m3 cast is wrong when
+    the rounding carries into the exponent (7.94 -> 4.0) and for subnormals, while it
+    converts exactly representable values exactly. So there the value is rounded by hand
+    first: normal values keep 3 mantissa bits (add half an ulp plus the tie-to-even bit,
+    clear the low 20 bits); below 2**-6 the grid is 2**-9 and ``(x + C) - C`` with
+    ``C = 1.5 * 2**14`` (whose fp32 ulp is 2**-9) rounds to it, on ``|x|`` so that a tiny
+    negative value becomes -0.0, as torch's cast gives.
+    """
+    if INTERPRETED:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
+        normal = bits.to(tl.float32, bitcast=True)
+        magnitude = (tl.abs(x) + 24576.0) - 24576.0
+        subnormal = tl.where(x < 0, -magnitude, magnitude)
+        x = tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+    return x.to(tl.float8e4nv)

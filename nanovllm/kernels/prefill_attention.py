@@ -26,6 +26,10 @@ Scores use ``exp2`` with log2(e) folded into the softmax scale. Key positions pa
 end of the sequence are masked before their block id is read, so the table's ``-1``
 padding is never dereferenced. Grouped-query attention: query head ``h`` reads KV head
 ``h // (num_heads // num_kv_heads)``.
+
+An fp8 cache (e4m3, chapter 08) is widened to q's dtype right after loading (exact); its
+per-layer scales cost nothing inside the loop: ``k_scale`` joins the softmax scale and
+``v_scale`` multiplies the final output (both are constants of the whole cache).
 """
 
 from __future__ import annotations
@@ -87,6 +91,9 @@ def _attend_key_tiles(
             )
         k_t = tl.load(k_ptrs, mask=in_seq[None, :], other=0.0)  # [HEAD_DIM, BLOCK_N]
         v = tl.load(v_ptrs, mask=in_seq[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
+        if k_t.dtype != q.dtype:  # an fp8 cache: widen (exactly) to q's dtype
+            k_t = k_t.to(q.dtype)
+            v = v.to(q.dtype)
         if DOT_FP32:
             k_t = k_t.to(tl.float32)
             v = v.to(tl.float32)
@@ -124,6 +131,7 @@ def _prefill_attention_kernel(
     seq_lens_k_ptr,
     block_tables_ptr,
     qk_scale,
+    v_scale,
     num_m_tiles,
     stride_qt,
     stride_qh,
@@ -229,7 +237,7 @@ def _prefill_attention_kernel(
         DOT_FP32,
     )
 
-    out = acc / l_i[:, None]
+    out = acc / l_i[:, None] * v_scale
     o_ptrs = out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
@@ -281,6 +289,8 @@ def prefill_attention(
     *,
     out: torch.Tensor | None = None,
     tiles: tuple[int, int, int, int] | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens over their sequences' paged K/V.
 
@@ -292,6 +302,8 @@ def prefill_attention(
     in q's dtype. ``out`` (optional) receives the result; ``tiles`` = (BLOCK_M, BLOCK_N,
     num_warps, num_stages) overrides the rule of :func:`default_tiles` (for tests, the
     benchmark's sweep and chapter 02's experiments; tile sizes are powers of two >= 16).
+    The caches may instead be float8 e4m3 (an fp8 KV cache, chapter 08), holding
+    ``K / k_scale`` and ``V / v_scale``.
     """
     total_q, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, head_dim_k = k_cache.shape
@@ -300,7 +312,7 @@ def prefill_attention(
         raise ValueError(
             f"caches {tuple(k_cache.shape)}/{tuple(v_cache.shape)} do not fit q {tuple(q.shape)}"
         )
-    if not (k_cache.dtype == v_cache.dtype == q.dtype):
+    if not (k_cache.dtype == v_cache.dtype and k_cache.dtype in (q.dtype, torch.float8_e4m3fn)):
         raise ValueError(
             f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
         )
@@ -341,7 +353,8 @@ def prefill_attention(
         cu_seqlens_q,
         seq_lens_k,
         block_tables,
-        scale * math.log2(math.e),
+        scale * k_scale * math.log2(math.e),
+        float(v_scale),
         num_m_tiles,
         q.stride(0),
         q.stride(1),

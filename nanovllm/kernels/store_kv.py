@@ -10,6 +10,11 @@ One program handles one token: it loads the token's ``[num_kv_heads, head_dim]``
 tiles (any row stride, so a slice of a fused QKV projection works without a copy) and stores
 them, cast to the cache's dtype, into the block and row its slot names.
 
+An fp8 cache (``torch.float8_e4m3fn``, ``kv_cache_dtype="fp8"``, chapter 08) stores
+``clamp(x / scale, -448, 448)`` rounded to e4m3, with one scale for K and one for V per layer
+(``k_scale``, ``v_scale``; see ``nanovllm/layers/quantization/kv_cache.py`` for why), bit for
+bit what the torch path stores.
+
 Taught in chapter 05 (``chapters/05_paged_attention_kernel``). This is the ``triton`` attention
 backend's cache-write path; the ``torch`` backend does the same with ``index_copy_``.
 
@@ -23,9 +28,11 @@ import torch
 import triton  # nanovllm/kernels/__init__.py explains a missing triton
 import triton.language as tl
 
-from nanovllm.kernels import check_launchable
+from nanovllm.kernels import FP8_E4M3_MAX, check_launchable, round_to_e4m3
 
 __all__ = ["store_kv"]
+
+FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
 
 
 @triton.jit(do_not_specialize_on_alignment=["slot_ptr"])  # a slice of the step's metadata
@@ -46,10 +53,14 @@ def _store_kv_kernel(
     stride_dt,
     stride_dh,  # v_cache: same shape, its own strides
     block_size,
+    k_scale,
+    v_scale,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     H_PAD: tl.constexpr,
     D_PAD: tl.constexpr,
+    FP8: tl.constexpr,  # the cache is float8 e4m3: scale, saturate, round
+    INTERPRETED: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64)  # i * row stride may pass 2**31
     h = tl.arange(0, H_PAD)
@@ -65,8 +76,14 @@ def _store_kv_kernel(
     v = tl.load(value_ptr + i * stride_vn + h[:, None] * stride_vh + d[None, :], mask=mask)
     k_dst = k_cache_ptr + block * stride_cb + row * stride_ct + h[:, None] * stride_ch + d[None, :]
     v_dst = v_cache_ptr + block * stride_db + row * stride_dt + h[:, None] * stride_dh + d[None, :]
-    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    if FP8:
+        k = tl.minimum(tl.maximum(k.to(tl.float32) / k_scale, -FP8_MAX), FP8_MAX)
+        v = tl.minimum(tl.maximum(v.to(tl.float32) / v_scale, -FP8_MAX), FP8_MAX)
+        tl.store(k_dst, round_to_e4m3(k, INTERPRETED), mask=mask)
+        tl.store(v_dst, round_to_e4m3(v, INTERPRETED), mask=mask)
+    else:
+        tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kv(
@@ -75,12 +92,16 @@ def store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Copy ``key``/``value`` ``[N, num_kv_heads, head_dim]`` into the paged caches, in place.
 
     ``k_cache``/``v_cache``: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
     ``slot_mapping``: int32/int64 ``[N]``; token ``i`` goes to block ``slot // block_size``,
-    row ``slot % block_size``; ``-1`` skips the token. Values are cast to the cache's dtype.
+    row ``slot % block_size``; ``-1`` skips the token. Values are cast to the cache's dtype;
+    into an e4m3 cache they are first divided by ``k_scale``/``v_scale`` and saturated at
+    +-448 (the scales are ignored for other caches).
     """
     n, num_kv_heads, head_dim = key.shape
     _, block_size, cache_heads, cache_dim = k_cache.shape
@@ -92,6 +113,10 @@ def store_kv(
         raise ValueError(
             f"key has {num_kv_heads} heads x {head_dim}, cache has {cache_heads} x {cache_dim}"
         )
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache is {k_cache.dtype}, v_cache {v_cache.dtype}")
+    if k_cache.dtype in (torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz):
+        raise ValueError(f"fp8 caches must be float8_e4m3fn, got {k_cache.dtype}")
     if slot_mapping.shape != (n,):
         raise ValueError(f"slot_mapping must be [{n}], got {tuple(slot_mapping.shape)}")
     for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -117,8 +142,12 @@ def store_kv(
         v_cache.stride(1),
         v_cache.stride(2),
         block_size,
+        float(k_scale),
+        float(v_scale),
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         H_PAD=triton.next_power_of_2(num_kv_heads),
         D_PAD=triton.next_power_of_2(head_dim),
+        FP8=k_cache.dtype == torch.float8_e4m3fn,
+        INTERPRETED=key.device.type != "cuda",
     )

@@ -11,6 +11,12 @@ too big, or broadcast one that is too small.
 - ``MergedColumnParallelLinear`` packs several projections of one input (gate and up);
 - ``QKVParallelLinear`` packs q, k and v, splitting heads across ranks;
 - ``RowParallelLinear`` splits the input features and sums partial outputs.
+
+Quantization (chapter 08) plugs in after loading: ``nanovllm.layers.quantization`` replaces
+a layer's ``weight`` with int8/fp8 codes plus ``weight_scale`` and sets ``quant_method``,
+whose ``apply`` then does the matmul. Scales are per output channel, so each tensor-parallel
+rank's scales are its own rows' (column-parallel) or its own partial sums' (row-parallel:
+each rank applies its scales before the all-reduce), and sharding never mixes them.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ def check_shape(loaded: torch.Tensor, *expected: int) -> None:
 
 
 class LinearBase(nn.Module):
+    quant_method = None  # a LinearMethod once quantized (nanovllm.layers.quantization)
+
     def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
@@ -44,8 +52,14 @@ class LinearBase(nn.Module):
         check_shape(loaded, *param.shape)
         param.data.copy_(loaded)
 
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ weight.T (+ bias)``, through the quantized kernel when there is one."""
+        if self.quant_method is None:
+            return F.linear(x, self.weight, bias)
+        return self.quant_method.apply(self, x, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -113,6 +127,5 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded.narrow(1, tp_rank() * cols, cols))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
-        y = all_reduce(y)
+        y = all_reduce(self.matmul(x))
         return y if self.bias is None else y + self.bias

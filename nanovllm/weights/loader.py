@@ -8,6 +8,7 @@ its tensor-parallel shard), so this loop stays generic.
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from glob import glob
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from nanovllm.distributed import tp_size
+from nanovllm.layers.quantization.fp8_checkpoint import FP8_STORAGE_DTYPES, Fp8CheckpointFormat
 
 
 def _default_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -31,24 +33,35 @@ def _load_one(param: nn.Parameter, tensor: torch.Tensor, shard_id: object) -> No
     loader(param, tensor, shard_id) if shard_id is not None else loader(param, tensor)
 
 
-def load_safetensors(model: nn.Module, path: str | Path) -> None:
+def load_safetensors(
+    model: nn.Module, path: str | Path, checkpoint_format: Fp8CheckpointFormat | None = None
+) -> None:
     """Load every ``*.safetensors`` file in ``path`` into ``model``.
 
     Raises ``ValueError`` naming the file and tensor for a tensor that has no place in the
     model or the wrong shape, and listing what is missing when weights are left unloaded.
+    ``checkpoint_format`` (an fp8 checkpoint's, chapter 08) turns fp8 tensors back into
+    numbers with their scale tensors, which may sit in another file of the checkpoint.
     """
     files = sorted(glob(str(Path(path) / "*.safetensors")))
     if not files:
         raise ValueError(f"no *.safetensors files in {path}")
     params = dict(model.named_parameters())
     mapping = getattr(model, "packed_modules_mapping", {})
-    loaded: set[str] = set()
-    for file in files:
-        try:
-            with safe_open(file, framework="pt") as f:
-                loaded |= _load_file(f, file, params, mapping)
-        except SafetensorError as err:
-            raise ValueError(f"{file} is not a readable safetensors file: {err}") from None
+    with ExitStack() as stack:
+        where = {}  # tensor name -> (open file, its path)
+        for file in files:
+            f = stack.enter_context(_open(file))
+            where.update((name, (f, file)) for name in f.keys())
+
+        def get(name: str) -> torch.Tensor | None:
+            return _read(*where[name], name) if name in where else None
+
+        loaded = {
+            name
+            for name, (f, file) in where.items()
+            if _load_tensor(name, file, get, params, mapping, checkpoint_format)
+        }
     expected = _expected_names(params, mapping)
     missing = sorted(expected - loaded)
     if missing:
@@ -59,23 +72,44 @@ def load_safetensors(model: nn.Module, path: str | Path) -> None:
         )
 
 
-def _load_file(f, file: str, params: dict[str, nn.Parameter], mapping: dict) -> set[str]:
-    """Load one open safetensors file; return the checkpoint names it filled."""
-    names = set()
-    for name in f.keys():
-        target, shard_id = _resolve(name, mapping)
-        if target not in params:
-            if name == "lm_head.weight" or "rotary_emb" in name:
-                continue  # tied to the embedding, or recomputed
-            raise ValueError(f"{file}: tensor {name!r} has no place in the model")
-        try:
-            _load_one(params[target], f.get_tensor(name), shard_id)
-        except ValueError as err:
-            raise ValueError(
-                f"{file}: tensor {name!r} does not fit parameter {target!r}: {err}"
-            ) from None
-        names.add(name)
-    return names
+def _open(file: str):
+    try:
+        return safe_open(file, framework="pt")
+    except SafetensorError as err:
+        raise ValueError(f"{file} is not a readable safetensors file: {err}") from None
+
+
+def _read(f, file: str, name: str) -> torch.Tensor:
+    try:
+        return f.get_tensor(name)
+    except SafetensorError as err:
+        raise ValueError(f"{file} is not a readable safetensors file: {err}") from None
+
+
+def _load_tensor(name, file, get, params, mapping, checkpoint_format) -> bool:
+    """Load checkpoint tensor ``name`` into its parameter; False if it has no place."""
+    target, shard_id = _resolve(name, mapping)
+    if checkpoint_format is not None and checkpoint_format.is_companion(name):
+        return False  # a scale: read together with its weight
+    if target not in params:
+        if name == "lm_head.weight" or "rotary_emb" in name:
+            return False  # tied to the embedding, or recomputed
+        raise ValueError(f"{file}: tensor {name!r} has no place in the model")
+    tensor = get(name)
+    try:
+        if tensor.dtype in FP8_STORAGE_DTYPES:
+            if checkpoint_format is None:
+                raise ValueError(
+                    f"it is stored as {tensor.dtype} but config.json has no quantization_config "
+                    "saying how to scale it"
+                )
+            tensor = checkpoint_format.dequantize(name, tensor, get)
+        _load_one(params[target], tensor, shard_id)
+    except ValueError as err:
+        raise ValueError(
+            f"{file}: tensor {name!r} does not fit parameter {target!r}: {err}"
+        ) from None
+    return True
 
 
 def _expected_names(params: dict[str, nn.Parameter], mapping: dict) -> set[str]:

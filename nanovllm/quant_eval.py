@@ -1,0 +1,185 @@
+"""How much accuracy quantization costs: a short table (chapter 08; CPU or GPU).
+
+    python -m nanovllm.quant_eval                       # SmolLM2, int8, fp8, fp8 KV, both
+    python -m nanovllm.quant_eval --variants int8 fp8 --text some.txt --json out.json
+
+Each *variant* (``int8``, ``fp8``, ``kv-fp8``, or weights and KV together as ``int8+kv-fp8``)
+is compared with the unquantized engine of the same model, device and dtype:
+
+- per-layer SQNR (dB): every linear layer's output on its real input (recorded from the
+  unquantized model on the first text), exact vs quantized, ``10 log10(|y|^2 / |y - yq|^2)``;
+  each layer's own error, before any accumulation (min and median over layers);
+- logit KL(ref || variant) in nats (mean over positions) and top-1 agreement, the model run
+  without a KV cache on every text (so ``kv-fp8`` shows no change here: see perplexity);
+- perplexity through the engine (``nanovllm.evaluate.perplexity``, prompt logprobs: prefill
+  reads the KV cache, so fp8 KV counts);
+- greedy agreement (``nanovllm.evaluate.greedy_agreement``) of ``--max-tokens`` tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.context import attention_metadata
+from nanovllm.evaluate import greedy_agreement, perplexity
+from nanovllm.layers.linear import LinearBase
+from nanovllm.layers.quantization import get_linear_method
+
+TEXTS = [  # a few kinds of text; pass --text for a longer one
+    "The capital of France is Paris. It is known for the Eiffel Tower, museums such as the "
+    "Louvre, and its cafes along the river Seine.",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + "
+    "fibonacci(n - 2)\n",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman and his "
+    "wife. Every morning he rowed out before dawn.",
+    "Water boils at 100 degrees Celsius at sea level, but at higher altitudes the air pressure "
+    "is lower, so it boils at a lower temperature.",
+]
+
+
+def split_variant(variant: str) -> tuple[str | None, str]:
+    """``"int8+kv-fp8"`` -> (``"int8"``, ``"fp8"``); ``"kv-fp8"`` -> (None, ``"fp8"``)."""
+    weights, kv = None, "auto"
+    for part in variant.split("+"):
+        if part == "kv-fp8":
+            kv = "fp8"
+        elif part in ("int8", "fp8"):
+            weights = part
+        else:
+            raise ValueError(f"unknown variant part {part!r}: use int8, fp8, kv-fp8, joined by +")
+    return weights, kv
+
+
+def make_engine(model: str, device: str, dtype: str, variant: str | None) -> LLM:
+    quantization, kv = split_variant(variant) if variant else (None, "auto")
+    options = {"attention_backend": "torch"} if kv == "fp8" else {}  # (Triton: no fp8 KV yet)
+    return LLM(model, device=device, dtype=dtype, quantization=quantization,
+               kv_cache_dtype=kv, enable_prefix_caching=False, **options)
+
+
+@torch.inference_mode()
+def position_logits(llm: LLM, ids: list[list[int]]) -> torch.Tensor:
+    model, device = llm.engine.runner.model, llm.engine.runner.device
+    rows = []
+    with attention_metadata(None):
+        for seq in ids:
+            t = torch.tensor(seq, device=device)
+            rows.append(model.compute_logits(model(t, torch.arange(len(t), device=device))))
+    return torch.cat(rows).double().cpu()
+
+
+@torch.inference_mode()
+def layer_inputs(llm: LLM, ids: list[int]) -> dict[str, tuple[LinearBase, torch.Tensor]]:
+    """Every linear layer of the (unquantized) model, with its input on ``ids``."""
+    model, captured, hooks = llm.engine.runner.model, {}, []
+    for name, module in model.named_modules():
+        if isinstance(module, LinearBase):
+            hook = lambda mod, args, name=name: captured.__setitem__(name, (mod, args[0]))  # noqa: E731
+            hooks.append(module.register_forward_pre_hook(hook))
+    position_logits(llm, [ids])
+    for hook in hooks:
+        hook.remove()
+    return captured
+
+
+@torch.inference_mode()
+def layer_sqnr(inputs: dict, method: str) -> list[float]:
+    """Output SQNR in dB of each linear layer quantized with ``method``, on its real input."""
+    linear_method, values = get_linear_method(method), []
+    for layer, x in inputs.values():
+        exact = F.linear(x, layer.weight).double()
+        copy = SimpleNamespace(weight=layer.weight.detach().clone())
+        linear_method.process_weights_after_loading(copy)
+        noise = (linear_method.apply(copy, x).double() - exact).pow(2).sum()
+        values.append(10 * math.log10(exact.pow(2).sum() / noise.clamp(min=1e-30)))
+    return values
+
+
+def kl_and_top1(logits: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    kl = F.kl_div(logits.log_softmax(-1), ref.log_softmax(-1), log_target=True,
+                  reduction="none").sum(-1)
+    return kl.mean().item(), (logits.argmax(-1) == ref.argmax(-1)).double().mean().item()
+
+
+def evaluate(model: str, variants: list[str], texts: list[str | list[int]], device: str,
+             dtype: str, max_tokens: int) -> list[dict]:
+    """One row per variant (the first row is the unquantized reference); ``texts`` are
+    strings or token-id lists."""
+    greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    ref = make_engine(model, device, dtype, None)
+    ids = [ref.tokenizer.encode(t) if isinstance(t, str) else list(t) for t in texts]
+    ref_logits = position_logits(ref, ids)
+    ref_out = ref.generate(ids, greedy, use_tqdm=False)
+    inputs = layer_inputs(ref, ids[0])
+    rows = [{"variant": "none", "perplexity": perplexity(ref, ids).perplexity}]
+    del ref
+    for variant in variants:
+        weights, _ = split_variant(variant)
+        llm = make_engine(model, device, dtype, variant)
+        kl, top1 = kl_and_top1(position_logits(llm, ids), ref_logits)
+        agreement = greedy_agreement(ref_out, llm.generate(ids, greedy, use_tqdm=False))
+        row = {"variant": variant, "perplexity": perplexity(llm, ids).perplexity,
+               "kl": kl, "top1": top1, "greedy_token_agreement": agreement.token_agreement}
+        if weights is not None:
+            sqnr = layer_sqnr(inputs, weights)
+            row.update(sqnr_min=min(sqnr), sqnr_median=statistics.median(sqnr))
+        rows.append(row)
+        del llm
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    head = f"{'variant':<12} {'SQNR min/med dB':>16} {'KL nats':>9} {'top-1':>6} " \
+           f"{'greedy':>6} {'ppl':>8}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        sqnr = f"{r['sqnr_min']:.1f} / {r['sqnr_median']:.1f}" if "sqnr_min" in r else "-"
+        kl = f"{r['kl']:.2e}" if "kl" in r else "-"
+        top1 = f"{r['top1']:.3f}" if "top1" in r else "-"
+        agree = f"{r['greedy_token_agreement']:.3f}" if "kl" in r else "-"
+        lines.append(f"{r['variant']:<12} {sqnr:>16} {kl:>9} {top1:>6} {agree:>6} "
+                     f"{r['perplexity']:>8.3f}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="model folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--variants", nargs="+", default=["int8", "fp8", "kv-fp8", "int8+kv-fp8"])
+    parser.add_argument("--text", help="a text file, scored in pieces of --chunk characters")
+    parser.add_argument("--chunk", type=int, default=2000)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, else float32")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--json", help="also write the rows (and the settings) here")
+    args = parser.parse_args()
+    if args.model is None:
+        from nanovllm.weights.smollm2 import smollm2_path
+
+        args.model = str(smollm2_path())
+    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    texts = TEXTS
+    if args.text:
+        with open(args.text, encoding="utf-8") as f:
+            body = f.read()
+        texts = [body[i : i + args.chunk] for i in range(0, len(body), args.chunk)]
+    rows = evaluate(args.model, args.variants, texts, args.device, dtype, args.max_tokens)
+    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    print(f"{args.model} on {device_name} ({dtype}), {len(texts)} texts")
+    print(format_table(rows))
+    if args.json:
+        settings = {**vars(args), "dtype": dtype, "device_name": device_name}
+        with open(args.json, "w") as f:
+            json.dump({"settings": settings, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
