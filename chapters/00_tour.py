@@ -573,13 +573,16 @@ plt.show()
 # ## Exercises
 #
 # Each exercise is a function to complete (the solution is included between the `BEGIN SOLUTION`
-# and `END SOLUTION` lines; try it yourself first) followed by a cell that checks it.
+# and `END SOLUTION` lines; try it yourself first) followed by a cell that checks it. The checks
+# do not use the package: they build their own inputs and compare with values frozen in the
+# check or with a reference written differently.
 #
 # **Exercise 1 — count the work.** Write `count_new_tokens(outputs)` that returns the total number
 # of generated tokens in a list of `RequestOutput`s. A `RequestOutput` can carry several
 # completions in `.outputs` (each a `CompletionOutput` with its own `token_ids`): count them all.
-# The check runs the engine on a tiny randomly initialised model and compares with what the
-# requests asked for.
+# The check builds stand-ins with just those fields (a request's `.outputs`, each completion's
+# `.token_ids`, as the engine returns them) for seeded random batches, and compares with the
+# number of tokens it put in.
 
 # %% tags=["exercise"]
 def count_new_tokens(outputs) -> int:
@@ -590,32 +593,36 @@ def count_new_tokens(outputs) -> int:
 
 
 # %% tags=["check"]
-import json
 import random
-import tempfile
-from pathlib import Path
+from types import SimpleNamespace
 
-from nanovllm import LLM, SamplingParams
-from nanovllm.outputs import CompletionOutput, RequestOutput
 
-# A tiny Llama (2 layers, hidden size 64) with random weights: it builds and runs in a second.
-tiny = Path(tempfile.mkdtemp()) / "tiny-llama"
-tiny.mkdir()
-(tiny / "config.json").write_text(json.dumps({
-    "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 64,
-    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "max_position_embeddings": 256, "tie_word_embeddings": True}))
-tiny_llm = LLM(str(tiny), load_format="dummy", num_kv_blocks=64, dtype="float32")
-rng = random.Random()
-prompts = [[rng.randrange(256) for _ in range(rng.randint(1, 30))] for _ in range(rng.randint(2, 6))]
-params = [SamplingParams(max_tokens=rng.randint(1, 12), ignore_eos=True, seed=i) for i in range(len(prompts))]
-outs = tiny_llm.generate(prompts, params, use_tqdm=False)
-assert count_new_tokens(outs) == sum(p.max_tokens for p in params), "wrong count on engine outputs"
-two = RequestOutput("x", None, [1], [CompletionOutput(0, "", [5, 6, 7], "length"),
-                                     CompletionOutput(1, "", [8], "stop")], True)
-assert count_new_tokens(outs + [two]) == sum(p.max_tokens for p in params) + 4, "count every completion"
-assert count_new_tokens([]) == 0
-print("Exercise 1 passed: count_new_tokens agrees with the engine")
+def completion(n: int, rng: random.Random) -> SimpleNamespace:
+    """Stand-in for a CompletionOutput of n tokens (its text is longer than n characters)."""
+    ids = [rng.randrange(49152) for _ in range(n)]
+    return SimpleNamespace(index=0, text="tok " * n + "!", token_ids=ids, finish_reason="length")
+
+
+def request(lengths: list[int], rng: random.Random) -> SimpleNamespace:
+    """Stand-in for a RequestOutput with one completion per entry of lengths."""
+    return SimpleNamespace(request_id="r", prompt_token_ids=[1, 2, 3], finished=True,
+                           outputs=[completion(n, rng) for n in lengths])
+
+
+rng = random.Random(1)
+assert count_new_tokens([]) == 0, "no requests, no tokens"
+assert count_new_tokens([request([3], rng)]) == 3, "one request with 3 tokens"
+assert count_new_tokens([request([3, 1], rng), request([5], rng)]) == 9, "count every completion"
+for _ in range(50):
+    batch = [[rng.randint(0, 20) for _ in range(rng.randint(1, 4))]  # completion lengths
+             for _ in range(rng.randint(0, 8))]  # of each request
+    expected = 0
+    for per_request in batch:
+        for n in per_request:
+            expected += n
+    got = count_new_tokens([request(lengths, rng) for lengths in batch])
+    assert got == expected, f"completion lengths {batch}: got {got}, expected {expected}"
+print("Exercise 1 passed: count_new_tokens counts every completion of 50 random batches")
 
 # %% [markdown]
 # **Exercise 2 — the chat template by hand.** Write `chatml_prompt(messages)` that turns a
@@ -624,8 +631,9 @@ print("Exercise 1 passed: count_new_tokens agrees with the engine")
 # `<|im_start|>{role}\n{content}<|im_end|>\n`, the default system message
 # `You are a helpful AI assistant named SmolLM, trained by Hugging Face` first when the
 # conversation does not start with a system message, and `<|im_start|>assistant\n` at the end. The
-# check compares your strings with `tokenizer.apply_chat_template(..., tokenize=False)` and, once
-# tokenized, with the token ids `LLM.chat` hands to the engine, on random conversations.
+# check compares your strings with ones SmolLM2's tokenizer produced
+# (`tokenizer.apply_chat_template(..., tokenize=False)`, frozen in the check), then takes your
+# strings for seeded random conversations apart again, message by message.
 
 # %% tags=["exercise"]
 def chatml_prompt(messages: list[dict]) -> str:
@@ -645,38 +653,45 @@ def chatml_prompt(messages: list[dict]) -> str:
 # %% tags=["check"]
 import random
 
-from nanovllm import LLM, smollm2_path
-from nanovllm.tokenizer import load_tokenizer
+# frozen: SmolLM2's tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
+# tokenize=False) for these conversations, computed once
+frozen = [
+    ([{"role": "user", "content": "hello"}],
+     "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+     "<|im_end|>\n<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"),
+    ([{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "why?"}],
+     "<|im_start|>system\nAnswer in French.<|im_end|>\n<|im_start|>user\nwhy?<|im_end|>\n"
+     "<|im_start|>assistant\n"),
+    ([{"role": "user", "content": "2+2"}, {"role": "assistant", "content": "4"},
+      {"role": "user", "content": "Über line\nbreak"}],
+     "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+     "<|im_end|>\n<|im_start|>user\n2+2<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n"
+     "<|im_start|>user\nÜber line\nbreak<|im_end|>\n<|im_start|>assistant\n"),
+    ([{"role": "system", "content": ""}, {"role": "user", "content": "ok"}],
+     "<|im_start|>system\n<|im_end|>\n<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\n"),
+]
+for conversation, expected in frozen:
+    got = chatml_prompt(conversation)
+    assert got == expected, f"for {conversation}:\n got      {got!r}\n expected {expected!r}"
 
-tokenizer = load_tokenizer(str(smollm2_path()))
-
-
-class PromptRecorder(LLM):
-    """An LLM without a model: `chat` runs as usual, `generate` only records its prompts."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer, self.seen = tokenizer, []
-
-    def generate(self, prompts, sampling_params=None, use_tqdm=True, priority=None):
-        self.seen += prompts
-        return []
-
-
-rng = random.Random()
+# seeded random conversations, taken apart again: one block per message, each closed by
+# <|im_end|>\n, the default system block first when needed, the assistant's header last
+default = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+rng = random.Random(2)
 words = ["hello", "Paris", "why?", "2+2", "tell me a joke", "ok", "Über", "line\nbreak"]
-conversations = []
 for _ in range(20):
-    roles = (["system"] if rng.random() < 0.4 else []) + ["user", "assistant"] * rng.randint(0, 2) + ["user"]
-    conversations.append([{"role": r, "content": " ".join(rng.choices(words, k=rng.randint(1, 4)))}
-                          for r in roles])
-recorder = PromptRecorder(tokenizer)
-recorder.chat(conversations)
-for conv, fed in zip(conversations, recorder.seen):
-    expected = tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
-    assert chatml_prompt(conv) == expected, f"differs from the chat template for {conv}"
-    ids = tokenizer.encode(chatml_prompt(conv), add_special_tokens=False)
-    assert ids == fed, "differs from the token ids LLM.chat feeds the engine"
-print(f"Exercise 2 passed: chatml_prompt matches the chat template on {len(conversations)} conversations")
+    roles = (["system"] if rng.random() < 0.4 else []) + ["user", "assistant"] * rng.randint(0, 2)
+    conversation = [{"role": r, "content": " ".join(rng.choices(words, k=rng.randint(1, 4)))}
+                    for r in roles + ["user"]]
+    *blocks, last = chatml_prompt(conversation).split("<|im_end|>\n")
+    assert last == "<|im_start|>assistant\n", f"must end with the assistant's header, not {last!r}"
+    if conversation[0]["role"] != "system":
+        assert blocks[:1] == [default], f"the default system message must come first: {blocks[:1]}"
+        blocks = blocks[1:]
+    expected = [f"<|im_start|>{m['role']}\n{m['content']}" for m in conversation]
+    assert blocks == expected, f"for {conversation}:\n got      {blocks}\n expected {expected}"
+print(f"Exercise 2 passed: chatml_prompt matches the chat template on {len(frozen)} frozen and "
+      "20 random conversations")
 
 # %% [markdown]
 # **Exercise 3 — which settings are invalid?** `SamplingParams` validates its fields when it is
@@ -685,7 +700,8 @@ print(f"Exercise 2 passed: chatml_prompt matches the chat template on {len(conve
 # of the settings (dicts of `temperature`, `top_k`, `top_p`, `min_p`, `max_tokens`) that it would
 # reject. The rules are in the class docstring and in 0.4–0.5: temperature is not negative (0 is
 # greedy), `top_k` is -1 (off) or at least 1, `top_p` lies in (0, 1], `min_p` in [0, 1], and
-# `max_tokens` is at least 1.
+# `max_tokens` is at least 1. The check marks each value it tries as valid or not, following these
+# rules, and builds seeded random settings from them.
 
 # %% tags=["exercise"]
 def invalid_settings(settings: list[dict]) -> list[int]:
@@ -705,26 +721,30 @@ def invalid_settings(settings: list[dict]) -> list[int]:
 # %% tags=["check"]
 import random
 
-from nanovllm import SamplingParams
-
-rng = random.Random()
+# frozen: a few settings by hand, then every candidate value marked valid (True) or not (False)
+# by the rules above (SamplingParams, tried once value by value, agrees); a missing field takes
+# its (valid) default
+by_hand = [{}, {"temperature": 0.0}, {"top_k": 0}, {"top_p": 0.0}, {"min_p": 1.0, "max_tokens": 1},
+           {"max_tokens": 0}, {"top_p": 1.0, "top_k": -1}, {"temperature": -0.5, "top_p": 1.5}]
+got = invalid_settings(by_hand)
+assert got == [2, 3, 5, 7], f"{by_hand}: got {got}, expected [2, 3, 5, 7]"
+assert invalid_settings([]) == [], "no settings, nothing invalid"
 candidates = {
-    "temperature": [0.0, 0.7, 1.0, 2.5, -0.1, -1.0],
-    "top_k": [-1, 1, 50, 0, -2],
-    "top_p": [1.0, 0.9, 1e-6, 0.0, 1.01, -0.5],
-    "min_p": [0.0, 0.05, 1.0, -0.01, 1.5],
-    "max_tokens": [1, 16, 64, 0, -3],
+    "temperature": {0.0: True, 0.7: True, 1.0: True, 2.5: True, -0.1: False, -1.0: False},
+    "top_k": {-1: True, 1: True, 50: True, 0: False, -2: False},
+    "top_p": {1.0: True, 0.9: True, 1e-6: True, 0.0: False, 1.01: False, -0.5: False},
+    "min_p": {0.0: True, 0.05: True, 1.0: True, -0.01: False, 1.5: False},
+    "max_tokens": {1: True, 16: True, 64: True, 0: False, -3: False},
 }
-settings = [{k: rng.choice(v) for k, v in candidates.items() if rng.random() < 0.6} for _ in range(200)]
-expected = []
-for i, s in enumerate(settings):
-    try:
-        SamplingParams(**s)
-    except ValueError:
-        expected.append(i)
+rng = random.Random(3)
+settings = [{k: rng.choice(list(v)) for k, v in candidates.items() if rng.random() < 0.6}
+            for _ in range(200)]
+expected = [i for i, s in enumerate(settings) if not all(candidates[k][v] for k, v in s.items())]
 got = invalid_settings(settings)
-assert got == expected, f"first disagreement at {sorted(set(got) ^ set(expected))[:1]}"
-print(f"Exercise 3 passed: invalid_settings agrees with SamplingParams on {len(settings)} random settings")
+assert got == expected, (f"first disagreement at index {sorted(set(got) ^ set(expected))[0]}: "
+                         f"{settings[sorted(set(got) ^ set(expected))[0]]}")
+print(f"Exercise 3 passed: invalid_settings agrees with the rules on {len(settings)} random "
+      "settings")
 
 # %% [markdown]
 # ## Summary

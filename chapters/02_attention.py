@@ -1139,7 +1139,9 @@ for label, result in recorded.items():
 #
 # Each exercise is a function to write (the solution is included between the `BEGIN SOLUTION`
 # and `END SOLUTION` lines; try it yourself first); the cell after it checks your version on
-# fresh random inputs. The cells are self-contained: run them in any order.
+# seeded random inputs against a reference written differently (PyTorch's `softmax`, a loop over
+# positions, float64 attention one sequence at a time), never against the package. The cells
+# are self-contained: run them in any order.
 #
 # **Exercise 1 — online softmax.** Write `online_softmax(score_tiles)`: given a list of score
 # tiles `[R, n_1], [R, n_2], ...` (the column blocks of one `[R, N]` score matrix, in order),
@@ -1194,7 +1196,8 @@ print("Exercise 1 passed: online_softmax equals softmax on 20 random tiled score
 # **Exercise 2 — the causal mask after a prefix.** Write `causal_mask(q_len, k_len)`: a
 # boolean `[q_len, k_len]` tensor that is `True` where query `i` may attend to key `j`, for the
 # last `q_len` of `k_len` positions (a chunk after a cached prefix of `k_len - q_len` tokens).
-# The check uses your mask for attention and compares with the package's `causal_attention`.
+# The check compares your mask, position by position, with the rule above, and uses it for
+# attention against a float64 reference that attends one query at a time.
 
 # %% tags=["exercise"]
 import torch
@@ -1211,8 +1214,6 @@ def causal_mask(q_len: int, k_len: int) -> torch.Tensor:
 import torch
 import torch.nn.functional as F
 
-from nanovllm.layers.torch_attention import causal_attention
-
 gen = torch.Generator().manual_seed(202)
 shapes = [(1, 1), (1, 9), (9, 9), (5, 17)]
 shapes += [(int(q), int(q) + int(p)) for q, p in zip(torch.randint(1, 40, (8,), generator=gen),
@@ -1221,12 +1222,25 @@ for q_len, k_len in shapes:
     mask = causal_mask(q_len, k_len)
     assert mask.shape == (q_len, k_len) and mask.dtype == torch.bool, "want a [q_len, k_len] bool"
     assert int(mask.sum()) == q_len * (k_len - q_len) + q_len * (q_len + 1) // 2, "wrong key count"
+    prefix = k_len - q_len
+    for i in range(q_len):  # reference: query i sits at position prefix + i
+        for j in range(k_len):
+            assert bool(mask[i, j]) == (j <= prefix + i), (
+                f"q_len {q_len}, k_len {k_len}: query {i} (position {prefix + i}) and key {j} "
+                f"should be {'visible' if j <= prefix + i else 'masked'}")
+    # the mask in attention, against float64 attention computed one query at a time
     q = torch.randn(q_len, 4, 16, generator=gen)
     k, v = torch.randn(k_len, 4, 16, generator=gen), torch.randn(k_len, 4, 16, generator=gen)
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                          attn_mask=mask, scale=0.25).transpose(0, 1)
-    torch.testing.assert_close(out, causal_attention(q, k, v, 0.25), atol=1e-5, rtol=1e-5)
-print(f"Exercise 2 passed: causal_mask gives nanovllm's causal_attention on {len(shapes)} shapes")
+    expected = torch.empty(q_len, 4, 16, dtype=torch.float64)
+    for i in range(q_len):
+        seen = prefix + i + 1  # keys 0 .. prefix + i
+        scores = torch.einsum("hd,khd->hk", q[i].double(), k[:seen].double()) * 0.25
+        expected[i] = torch.einsum("hk,khd->hd", scores.softmax(dim=-1), v[:seen].double())
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+print(f"Exercise 2 passed: causal_mask matches the position rule on {len(shapes)} shapes, and "
+      "attention with it matches a float64 reference")
 
 # %% [markdown]
 # **Exercise 3 — pack a batch.** Write `pack_varlen(seqs)`: given a list of tensors
@@ -1234,7 +1248,7 @@ print(f"Exercise 2 passed: causal_mask gives nanovllm's causal_attention on {len
 # `cu_seqlens`, an int32 tensor `[B + 1]` with `cu_seqlens[b]` the row where sequence `b`
 # starts (and `cu_seqlens[B]` the total). The check also runs causal attention over your
 # packed batch with one block-diagonal mask built from your `cu_seqlens` and compares it with
-# the package's `causal_attention` applied to each sequence alone.
+# float64 causal attention applied to each sequence alone.
 
 # %% tags=["exercise"]
 import torch
@@ -1252,7 +1266,15 @@ def pack_varlen(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
 import torch
 import torch.nn.functional as F
 
-from nanovllm.layers.torch_attention import causal_attention
+
+def reference_causal_attention(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """Float64 self-attention of one sequence [L, H, d], keys after the query scored -inf."""
+    x64 = x.double()
+    scores = torch.einsum("qhd,khd->hqk", x64, x64) * scale
+    future = torch.ones(len(x), len(x), dtype=torch.bool).triu(diagonal=1)
+    probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, x64)
+
 
 gen = torch.Generator().manual_seed(203)
 for _ in range(5):
@@ -1269,9 +1291,10 @@ for _ in range(5):
     mask = (seq_id[:, None] == seq_id[None, :]) & (pos[None, :] <= pos[:, None])
     t = packed.transpose(0, 1)
     out = F.scaled_dot_product_attention(t, t, t, attn_mask=mask, scale=0.25).transpose(0, 1)
-    expected = torch.cat([causal_attention(s, s, s, 0.25) for s in seqs if len(s)])
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-print("Exercise 3 passed: pack_varlen on 5 random batches; packed attention matches per sequence")
+    expected = torch.cat([reference_causal_attention(s, 0.25) for s in seqs if len(s)])
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+print("Exercise 3 passed: pack_varlen on 5 random batches; packed attention matches float64 "
+      "attention per sequence")
 
 # %% [markdown]
 # ## Summary

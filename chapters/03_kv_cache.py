@@ -793,8 +793,9 @@ for size in (1, 8, 16, 32, 64, 256, 1024):
 # %% [markdown]
 # ## Exercises
 #
-# Each exercise is a function to write; the cell after it checks your version against the
-# package (or a reference) on fresh random inputs. The cells are self-contained: run them in
+# Each exercise is a function to write; the cell after it checks your version against values
+# worked out once and frozen in the check, and against a reference written differently, on
+# seeded random inputs; never against the package. The cells are self-contained: run them in
 # any order.
 #
 # **Exercise 1 — bytes per token.** Write `kv_bytes_per_token(config, dtype_bytes)` for a
@@ -814,9 +815,28 @@ def kv_bytes_per_token(config: dict, dtype_bytes: int) -> int:
 
 
 # %% tags=["check"]
+import math
 import random
 
-from nanovllm.models import ModelConfig
+# frozen: real models' shapes (layers, KV heads, head_dim), worked out once by hand
+frozen = [
+    # SmolLM2-135M: no head_dim given, 576 / 9 heads = 64; 3 KV heads; bf16
+    ({"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
+      "num_hidden_layers": 30}, 2, 2 * 30 * 3 * 64 * 2),  # 23,040
+    ({"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
+      "num_hidden_layers": 30}, 4, 46_080),  # the same in fp32
+    # Llama-3-8B: 4096 / 32 = 128, 8 KV heads; 128 KiB per token in bf16
+    ({"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+      "num_hidden_layers": 32}, 2, 131_072),
+    # Qwen3-0.6B: head_dim 128 is given and is not 1024 / 16 = 64
+    ({"hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+      "num_hidden_layers": 28}, 2, 114_688),
+    # the first LLaMA-7B: no num_key_value_heads, so 32 KV heads, one per query head; fp16
+    ({"hidden_size": 4096, "num_attention_heads": 32, "num_hidden_layers": 32}, 2, 524_288),
+]
+for config, dtype_bytes, expected in frozen:
+    got = kv_bytes_per_token(config, dtype_bytes)
+    assert got == expected, f"{config}, {dtype_bytes} bytes: got {got}, expected {expected}"
 
 rng = random.Random(301)
 for _ in range(200):
@@ -835,17 +855,23 @@ for _ in range(200):
     if rng.random() < 0.5:
         config["head_dim"] = rng.choice([64, 96, 128, 256])
     dtype_bytes = rng.choice([1, 2, 4])
-    expected = ModelConfig.from_dict(config).kv_bytes_per_token(dtype_bytes)
+    # reference: the elements one token adds to the cache, one K and one V row per layer
+    kv_heads = config["num_key_value_heads"] if "num_key_value_heads" in config else heads
+    head_dim = config["head_dim"] if "head_dim" in config else config["hidden_size"] // heads
+    token_shape = (2, config["num_hidden_layers"], kv_heads, head_dim)  # (K/V, layer, head, dim)
+    expected = math.prod(token_shape) * dtype_bytes
     got = kv_bytes_per_token(config, dtype_bytes)
     assert got == expected, f"{config}, {dtype_bytes} bytes: got {got}, expected {expected}"
-print("Exercise 1 passed: kv_bytes_per_token agrees with nanovllm's ModelConfig on 200 configs")
+print(f"Exercise 1 passed: kv_bytes_per_token on {len(frozen)} real model shapes and 200 random "
+      "configs")
 
 # %% [markdown]
 # **Exercise 2 — how many tokens fit.** The engine allocates its cache in whole blocks. Write
 # `max_tokens_in_budget(budget_bytes, config, dtype_bytes, block_size)`: the number of tokens
 # whose keys and values fit in `budget_bytes` when memory is handed out in blocks of
-# `block_size` tokens. The check starts the real engine, with random weights, on small random
-# model shapes and budgets, and compares with the cache it allocates.
+# `block_size` tokens. The check compares with the caches the engine allocated for a few small
+# models (frozen in the check), and with a reference that hands out blocks one at a time on
+# random model shapes and budgets.
 
 # %% tags=["exercise"]
 def max_tokens_in_budget(budget_bytes: int, config: dict, dtype_bytes: int, block_size: int) -> int:
@@ -860,43 +886,57 @@ def max_tokens_in_budget(budget_bytes: int, config: dict, dtype_bytes: int, bloc
 
 
 # %% tags=["check"]
-import json
 import random
-import tempfile
-from pathlib import Path
 
-from nanovllm import LLM
+# frozen: the engine, started with kv_cache_memory=budget on these small models, allocated
+# this many tokens (blocks x block_size); worked out by hand too, e.g. the first:
+# 2 (K, V) x 2 layers x 2 KV heads x 16 dims x 4 bytes = 512 B a token, 8,192 a block,
+# 1,000,000 // 8,192 = 122 blocks = 1,952 tokens
+frozen = [  # (config, dtype_bytes, block_size, budget, tokens)
+    ({"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+      "num_hidden_layers": 2}, 4, 16, 1_000_000, 1952),
+    ({"hidden_size": 96, "num_attention_heads": 6, "num_hidden_layers": 3}, 2, 32, 777_777, 672),
+    ({"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32,
+      "num_hidden_layers": 1}, 2, 8, 200_000, 1560),
+]
+for config, dtype_bytes, block_size, budget, expected in frozen:
+    got = max_tokens_in_budget(budget, config, dtype_bytes, block_size)
+    assert got == expected, (f"{config}, {dtype_bytes} bytes, block_size {block_size}, "
+                             f"budget {budget}: got {got}, expected {expected}")
 
 rng = random.Random(302)
-with tempfile.TemporaryDirectory() as folder:
-    for _ in range(4):
-        heads = rng.choice([2, 4, 8])
-        config = {
-            "architectures": [rng.choice(["LlamaForCausalLM", "Qwen3ForCausalLM"])],
-            "vocab_size": 256,
-            "hidden_size": heads * 16,
-            "intermediate_size": 64,
-            "num_hidden_layers": rng.randint(1, 4),
-            "num_attention_heads": heads,
-            "num_key_value_heads": rng.choice([1, heads // 2, heads]),
-            "max_position_embeddings": 512,
-        }
-        (Path(folder) / "config.json").write_text(json.dumps(config))
-        dtype, dtype_bytes = rng.choice([("float32", 4), ("bfloat16", 2)])
-        block_size = rng.choice([8, 16, 32])
-        budget = rng.randint(200_000, 2_000_000)
-        engine = LLM(folder, load_format="dummy", device="cpu", dtype=dtype,
-                     kv_cache_memory=budget, block_size=block_size).engine
-        expected = engine.runner.num_kv_blocks * block_size
-        got = max_tokens_in_budget(budget, config, dtype_bytes, block_size)
-        assert got == expected, f"{config}, {dtype}, budget {budget}: got {got}, engine {expected}"
-print("Exercise 2 passed: max_tokens_in_budget matches the cache the engine allocates")
+for _ in range(100):
+    heads = rng.choice([2, 4, 8])
+    config = {
+        "hidden_size": heads * rng.choice([16, 64]),
+        "num_hidden_layers": rng.randint(1, 4),
+        "num_attention_heads": heads,
+    }
+    if rng.random() < 0.7:
+        config["num_key_value_heads"] = rng.choice([1, heads // 2, heads])
+    if rng.random() < 0.3:
+        config["head_dim"] = rng.choice([32, 128])
+    dtype_bytes = rng.choice([2, 4])
+    block_size = rng.choice([1, 8, 16, 32])
+    budget = rng.randint(0, 2_000_000)
+    # reference: hand out whole blocks, one at a time, while the next one still fits
+    head_dim = config.get("head_dim", config["hidden_size"] // heads)
+    token_bytes = (2 * config["num_hidden_layers"] * config.get("num_key_value_heads", heads)
+                   * head_dim * dtype_bytes)
+    expected, used = 0, 0
+    while used + block_size * token_bytes <= budget:
+        used += block_size * token_bytes
+        expected += block_size
+    got = max_tokens_in_budget(budget, config, dtype_bytes, block_size)
+    assert got == expected, (f"{config}, {dtype_bytes} bytes, block_size {block_size}, "
+                             f"budget {budget}: got {got}, expected {expected}")
+print(f"Exercise 2 passed: max_tokens_in_budget on {len(frozen)} frozen engine caches and 100 "
+      "random budgets")
 
 # %% [markdown]
-# **Exercise 3 — waste.** Write `contiguous_waste(lengths, max_len)` and
-# `paged_waste(lengths, block_size)`: the fraction of reserved cache slots that hold no token
-# when each request (of the given final lengths) gets `max_len` slots, or the fewest whole
-# blocks that hold it. Both take a list of ints and return a float in [0, 1).
+# **Exercise 3 — waste.** Write `contiguous_waste(lengths, max_len)`: the fraction of reserved
+# cache slots that hold no token when each request (of the given final lengths) gets `max_len`
+# slots. It takes a list of ints and returns a float in [0, 1).
 
 # %% tags=["exercise"]
 def contiguous_waste(lengths: list[int], max_len: int) -> float:
@@ -906,6 +946,34 @@ def contiguous_waste(lengths: list[int], max_len: int) -> float:
     # END SOLUTION
 
 
+# %% tags=["check"]
+import math
+import random
+
+# frozen, by hand: 4 requests x 128 slots = 512 reserved, 1 + 16 + 17 + 100 = 134 used
+got = contiguous_waste([1, 16, 17, 100], 128)
+assert math.isclose(got, 378 / 512, abs_tol=1e-12), f"got {got}, expected 378 / 512"
+assert contiguous_waste([128, 128], 128) == 0, "full requests waste nothing"
+rng = random.Random(303)
+for _ in range(100):
+    max_len = rng.choice([512, 2048, 4096])
+    lengths = [rng.randint(1, max_len) for _ in range(rng.randint(1, 50))]
+    # reference: count each request's empty slots one at a time
+    empty = 0
+    for n in lengths:
+        empty += max_len - n
+    expected = empty / (len(lengths) * max_len)
+    got = contiguous_waste(lengths, max_len)
+    case = f"{len(lengths)} requests, max_len {max_len}"
+    assert math.isclose(got, expected, abs_tol=1e-12), f"{case}: {got} != {expected}"
+print("Exercise 3 passed: contiguous_waste matches frozen values and a request-by-request "
+      "reference")
+
+# %% [markdown]
+# **Exercise 4 — waste with paging.** Write `paged_waste(lengths, block_size)`: the same
+# fraction when each request gets the fewest whole blocks of `block_size` slots that hold it.
+
+# %% tags=["exercise"]
 def paged_waste(lengths: list[int], block_size: int) -> float:
     """Empty fraction of the slots reserved when each request gets whole blocks."""
     # BEGIN SOLUTION
@@ -918,27 +986,29 @@ def paged_waste(lengths: list[int], block_size: int) -> float:
 import math
 import random
 
-rng = random.Random(303)
+# frozen, by hand: blocks of 16 give 1 + 1 + 2 + 7 blocks = 176 slots for 134 tokens
+got = paged_waste([1, 16, 17, 100], 16)
+assert math.isclose(got, 42 / 176, abs_tol=1e-12), f"got {got}, expected 42 / 176"
+assert paged_waste([16, 32, 48], 16) == 0, "lengths that fill whole blocks waste nothing"
+assert paged_waste([5, 9, 300], 1) == 0, "blocks of one slot waste nothing"
+rng = random.Random(304)
 for _ in range(100):
     max_len = rng.choice([512, 2048, 4096])
     block_size = rng.choice([1, 8, 16, 64])
     lengths = [rng.randint(1, max_len) for _ in range(rng.randint(1, 50))]
-    # reference: count each request's empty slots one at a time
-    empty_c = empty_p = slots_p = 0
+    # reference: hand out blocks to each request until it fits, and count the empty slots
+    empty = slots = 0
     for n in lengths:
-        empty_c += max_len - n
-        slots = 0
-        while slots < n:  # hand out blocks until the request fits
-            slots += block_size
-        empty_p, slots_p = empty_p + slots - n, slots_p + slots
-    expected_c = empty_c / (len(lengths) * max_len)
-    expected_p = empty_p / slots_p
-    got_c, got_p = contiguous_waste(lengths, max_len), paged_waste(lengths, block_size)
-    case = f"{len(lengths)} requests, max_len {max_len}, block_size {block_size}"
-    assert math.isclose(got_c, expected_c, abs_tol=1e-12), f"{case}: {got_c} != {expected_c}"
-    assert math.isclose(got_p, expected_p, abs_tol=1e-12), f"{case}: {got_p} != {expected_p}"
-    assert paged_waste(lengths, block_size) <= contiguous_waste(lengths, max_len) + 1e-12
-print("Exercise 3 passed: contiguous_waste and paged_waste match a request-by-request reference")
+        reserved = 0
+        while reserved < n:
+            reserved += block_size
+        empty, slots = empty + reserved - n, slots + reserved
+    got = paged_waste(lengths, block_size)
+    case = f"{len(lengths)} requests, block_size {block_size}"
+    assert math.isclose(got, empty / slots, abs_tol=1e-12), f"{case}: {got} != {empty / slots}"
+    # paging never wastes more than reserving max_len (a multiple of block_size) for each
+    assert got <= 1 - sum(lengths) / (len(lengths) * max_len) + 1e-12, f"{case}: {got}"
+print("Exercise 4 passed: paged_waste matches frozen values and a block-by-block reference")
 
 # %% [markdown]
 # ## Summary

@@ -1050,6 +1050,20 @@ print(f"paging alone saves {1 - p_off / c_max:.1%} vs max_model_len buffers and 
 # measured it on long-tailed lengths. Sharing, finally, is something no contiguous layout can do.
 
 # %% [markdown]
+# ## Assignments
+#
+# In the course edition of this book (`make student`; see `chapters/INSTRUCTORS.md`) you write
+# these parts of the package yourself: the block manager's three decisions: which cached blocks a new prompt can reuse, how a step's blocks are allocated, and how they are released. Each function's docstring is the handout; the
+# project's tests grade your code (`make grade STUDENT=<your folder>`), and once they pass this
+# notebook runs on your own engine.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from nanovllm.course import assignment_table
+
+print(assignment_table("04"))
+
+# %% [markdown]
 # ## Exercises
 #
 # Each exercise is a function to write; the cell after it checks your version against

@@ -764,6 +764,20 @@ else:
     print("no GPU here: the recorded H200 results above stand in for a live measurement")
 
 # %% [markdown]
+# ## Assignments
+#
+# In the course edition of this book (`make student`; see `chapters/INSTRUCTORS.md`) you write
+# these parts of the package yourself: the merge of split-KV partials, as a Triton kernel (the tests run it under the Triton interpreter, so no GPU is needed), and the rule that picks the number of splits. Each function's docstring is the handout; the
+# project's tests grade your code (`make grade STUDENT=<your folder>`), and once they pass this
+# notebook runs on your own engine.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from nanovllm.course import assignment_table
+
+print(assignment_table("05"))
+
+# %% [markdown]
 # ## Exercises
 #
 # **Exercise 1 — paged GQA decode for one sequence.** Write

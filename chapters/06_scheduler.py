@@ -945,6 +945,20 @@ print(f"{len(by_step)} engine steps, {shared} of them served alice and bob toget
 # an OpenAI-compatible HTTP server, rate limiting and a load test with latency percentiles.
 
 # %% [markdown]
+# ## Assignments
+#
+# In the course edition of this book (`make student`; see `chapters/INSTRUCTORS.md`) you write
+# these parts of the package yourself: how much of a sequence fits a step, what preemption does, and the fair policy's order. Each function's docstring is the handout; the
+# project's tests grade your code (`make grade STUDENT=<your folder>`), and once they pass this
+# notebook runs on your own engine.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from nanovllm.course import assignment_table
+
+print(assignment_table("06"))
+
+# %% [markdown]
 # ## Exercises
 #
 # Each exercise is a function to complete (the solution sits between the `BEGIN SOLUTION` and

@@ -34,7 +34,7 @@
 # measurement, with and without the fused kernels of chapter 11, shows how graphs and kernel
 # fusion attack the same fixed cost from two sides.
 #
-# Package modules taught here: `nanovllm/engine/cuda_graphs.py` (`batch_buckets`,
+# Package modules taught here: `nanovllm/engine/cuda_graphs.py` (`batch_buckets`, `StaticInputs`,
 # `DecodeGraphs`), where `nanovllm/engine/model_runner.py` switches graphs on, and
 # `decode_step_benchmark` in `nanovllm/decode_step_bench.py`.
 
@@ -497,12 +497,23 @@ print(f"{'total':44s} {sum(static_bytes.values()) / 2**20:8.2f} MiB")
 #
 # Padding is only safe if padded rows change nothing: a row with slot −1 must not write into
 # the cache, a row with length 0 must produce a harmless output, and the real rows must come
-# out exactly as without padding. We check this on the package's Triton kernels (`store_kv` and
-# `decode_attention`, under the interpreter on a CPU): a batch of 3 decodes, padded to the
-# bucket of 4 the way `DecodeGraphs.run` pads it, against the same batch unpadded.
+# out exactly as without padding. `DecodeGraphs.run` leaves the copying and padding to a small
+# class of its own, `StaticInputs` (the buffers and their `fill`), so it runs on a CPU too:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+show_source(cuda_graphs.StaticInputs.fill)
+
+# %% [markdown]
+# We check the contract on the package's Triton kernels (`store_kv` and `decode_attention`,
+# under the interpreter on a CPU): a batch of 3 decodes, filled into buffers that an earlier,
+# larger batch left dirty, padded by `fill` to the bucket of 4, against the same batch unpadded.
+# The padding row's query, key and value are random: in a replayed graph they are whatever the
+# stale token id in that row computes to.
 
 # %%
 # NBVAL_CHECK_OUTPUT
+from nanovllm.context import AttentionMetadata
 from nanovllm.kernels.decode_attention import decode_attention
 from nanovllm.kernels.store_kv import store_kv
 
@@ -517,13 +528,20 @@ slots = torch.tensor([int(tables[b, (n - 1) // block]) * block + (n - 1) % block
 q = torch.randn(3, heads, dim, generator=gen)
 k_new, v_new = torch.randn(3, kv_heads, dim, generator=gen), torch.randn(3, kv_heads, dim,
                                                                          generator=gen)
-bucket = next(b for b in batch_buckets(8) if b >= 3)
+static = cuda_graphs.StaticInputs(batch_buckets(8), max_blocks=3, device=torch.device("cpu"))
+static.slot_mapping[:], static.seq_lens[:], static.block_tables[:] = 77, 33, 1  # dirty rows
+meta = AttentionMetadata(
+    slot_mapping=slots, cu_seqlens_q=torch.arange(4, dtype=torch.int32), seq_lens_k=lens,
+    block_tables=tables, max_seqlen_q=1, max_seqlen_k=40, num_decodes=3,
+    cu_seqlens_q_host=[0, 1, 2, 3], seq_lens_k_host=lens.tolist(),
+)
+token_ids = torch.zeros(3, dtype=torch.long)  # unused here: the attention inputs are given
+bucket = static.fill(token_ids, lens.long() - 1, meta)
 
 
-def pad(t, value):
-    """Pad the batch dimension to the bucket with `value` (as DecodeGraphs.run does)."""
-    extra = torch.full((bucket - t.shape[0], *t.shape[1:]), value, dtype=t.dtype)
-    return torch.cat([t, extra])
+def junk_rows(t):
+    """Rows bucket - 3 of random activations below the real ones."""
+    return torch.cat([t, torch.randn(bucket - t.shape[0], *t.shape[1:], generator=gen)])
 
 
 results = {}
@@ -531,8 +549,8 @@ for name, padded in (("unpadded", False), ("padded", True)):
     kc, vc = k_cache.clone().to(device), v_cache.clone().to(device)
     args = [q, k_new, v_new, slots, lens, tables]
     if padded:
-        args = [pad(q, 0.0), pad(k_new, 0.0), pad(v_new, 0.0), pad(slots, -1), pad(lens, 0),
-                pad(tables, -1)]
+        args = [junk_rows(q), junk_rows(k_new), junk_rows(v_new), static.slot_mapping[:bucket],
+                static.seq_lens[:bucket], static.block_tables[:bucket]]
     qq, kk, vv, ss, ll, tt = (a.to(device) for a in args)
     store_kv(kk, vv, kc, vc, ss)
     results[name] = (decode_attention(qq, kc, vc, ll, tt, dim**-0.5).cpu(), kc.cpu(), vc.cpu())
@@ -755,6 +773,20 @@ if torch.cuda.is_available():
               f"({unfused:4.1f}x)")
 else:
     print("no GPU here: the recorded H200 results above stand in for a live measurement")
+
+# %% [markdown]
+# ## Assignments
+#
+# In the course edition of this book (`make student`; see `chapters/INSTRUCTORS.md`) you write
+# these parts of the package yourself: which batch sizes get a graph, and how a batch is copied and padded into the static buffers. Each function's docstring is the handout; the
+# project's tests grade your code (`make grade STUDENT=<your folder>`), and once they pass this
+# notebook runs on your own engine.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from nanovllm.course import assignment_table
+
+print(assignment_table("07"))
 
 # %% [markdown]
 # ## Exercises
