@@ -1134,7 +1134,23 @@ for label, result in recorded.items():
 # prefill attention runs at 30% of the dense-matmul rate. Attention has more to do per FLOP than
 # a matmul: the softmax's exponentials, the masked diagonal tiles and, with prompts of at most
 # 1,024 tokens, many short sequences whose programs have little work each.
+
+# %% [markdown]
+# ## Assignments
 #
+# In the course edition of this book (`make student`; see `chapters/INSTRUCTORS.md`) you write
+# these parts of the package yourself: the PyTorch attention with its shifted causal mask, and the
+# loop that runs a packed batch of decodes and prefill chunks. Each function's docstring is the
+# handout; the project's tests grade your code (`make grade STUDENT=<your folder>`), and once they
+# pass this notebook runs on your own engine.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from nanovllm.course import assignment_table
+
+print(assignment_table("02"))
+
+# %% [markdown]
 # ## Exercises
 #
 # Each exercise is a function to write (the solution is included between the `BEGIN SOLUTION`

@@ -791,6 +791,21 @@ for size in (1, 8, 16, 32, 64, 256, 1024):
 # engine's default (`EngineConfig.block_size`), as in vLLM.
 
 # %% [markdown]
+# ## Assignments
+#
+# In the course edition of this book (`make student`; see `chapters/INSTRUCTORS.md`) you write
+# these parts of the package yourself: the store of new keys and values into their cache slots,
+# and batched decode attention over each sequence's cached tokens. Each function's docstring is
+# the handout; the project's tests grade your code (`make grade STUDENT=<your folder>`), and once
+# they pass this notebook runs on your own engine.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from nanovllm.course import assignment_table
+
+print(assignment_table("03"))
+
+# %% [markdown]
 # ## Exercises
 #
 # Each exercise is a function to write; the cell after it checks your version against values

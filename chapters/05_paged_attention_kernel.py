@@ -767,9 +767,10 @@ else:
 # ## Assignments
 #
 # In the course edition of this book (`make student`; see `chapters/INSTRUCTORS.md`) you write
-# these parts of the package yourself: the merge of split-KV partials, as a Triton kernel (the tests run it under the Triton interpreter, so no GPU is needed), and the rule that picks the number of splits. Each function's docstring is the handout; the
-# project's tests grade your code (`make grade STUDENT=<your folder>`), and once they pass this
-# notebook runs on your own engine.
+# these parts of the package yourself: the merge of split-KV partials, as a Triton kernel (the
+# tests run it under the Triton interpreter, so no GPU is needed), and the rule that picks the
+# number of splits. Each function's docstring is the handout; the project's tests grade your code
+# (`make grade STUDENT=<your folder>`), and once they pass this notebook runs on your own engine.
 
 # %%
 # NBVAL_CHECK_OUTPUT

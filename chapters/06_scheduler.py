@@ -948,9 +948,10 @@ print(f"{len(by_step)} engine steps, {shared} of them served alice and bob toget
 # ## Assignments
 #
 # In the course edition of this book (`make student`; see `chapters/INSTRUCTORS.md`) you write
-# these parts of the package yourself: how much of a sequence fits a step, what preemption does, and the fair policy's order. Each function's docstring is the handout; the
-# project's tests grade your code (`make grade STUDENT=<your folder>`), and once they pass this
-# notebook runs on your own engine.
+# these parts of the package yourself: how much of a sequence fits a step, what preemption does,
+# and the fair policy's order. Each function's docstring is the handout; the project's tests grade
+# your code (`make grade STUDENT=<your folder>`), and once they pass this notebook runs on your
+# own engine.
 
 # %%
 # NBVAL_CHECK_OUTPUT

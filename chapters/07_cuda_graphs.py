@@ -778,9 +778,10 @@ else:
 # ## Assignments
 #
 # In the course edition of this book (`make student`; see `chapters/INSTRUCTORS.md`) you write
-# these parts of the package yourself: which batch sizes get a graph, and how a batch is copied and padded into the static buffers. Each function's docstring is the handout; the
-# project's tests grade your code (`make grade STUDENT=<your folder>`), and once they pass this
-# notebook runs on your own engine.
+# these parts of the package yourself: which batch sizes get a graph, and how a batch is copied
+# and padded into the static buffers. Each function's docstring is the handout; the project's
+# tests grade your code (`make grade STUDENT=<your folder>`), and once they pass this notebook
+# runs on your own engine.
 
 # %%
 # NBVAL_CHECK_OUTPUT
