@@ -15,7 +15,7 @@
 #   PYTHON      interpreter that creates the venv                    (python3)
 #   VENV        the virtual environment                               (.venv)
 #   TORCH_SPEC  torch requirement, installed first in its own step    (torch==2.13.0)
-#   EXTRAS      extras of nanovllm installed into the venv            (triton,notebooks,convert,dev)
+#   EXTRAS      extras of nanovllm installed into the venv            (triton,notebooks,convert,serve,dev)
 #   PY          python that runs everything; PY=python3 uses an existing environment as it
 #               is and skips creating/updating the venv (e.g. the GPU machine's image)
 #   NANOVLLM_CACHE  where converted weights live                      (~/.cache/nanovllm)
@@ -27,7 +27,7 @@ SHELL := bash
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= triton,notebooks,convert,dev
+EXTRAS ?= triton,notebooks,convert,serve,dev
 PY ?= $(VENV)/bin/python
 CH ?=
 BENCH_ARGS ?=

@@ -12,7 +12,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from nanovllm.detokenizer import IncrementalDetokenizer
 from nanovllm.sampling_params import SamplingParams
@@ -74,6 +74,21 @@ class Logprob:
 
 # One position's logprobs: {token id: Logprob} for the chosen token and the top k.
 PositionLogprobs = dict[int, Logprob]
+# What the engine reports per position: (token id, its logprob, its rank, the top k token
+# ids, their logprobs)
+TokenLogprobs = tuple[int, float, int, list[int], list[float]]
+
+
+def position_logprobs(entry: TokenLogprobs | None, tokenizer: Any) -> PositionLogprobs | None:
+    """``{token id: Logprob}`` for the chosen token and the top k, with their texts."""
+    if entry is None:
+        return None
+    token, logprob, rank, top_ids, top_logprobs = entry
+    ids = [token, *top_ids]
+    logprobs = [logprob, *top_logprobs]
+    ranks = [rank, *range(1, len(top_ids) + 1)]
+    decode = (lambda t: None) if tokenizer is None else (lambda t: tokenizer.decode([t]))
+    return {t: Logprob(lp, r, decode(t)) for t, lp, r in zip(ids, logprobs, ranks)}
 
 
 @dataclass
@@ -129,9 +144,13 @@ class RequestOutput:
 class StreamChunk:
     """What a request's stream yields: the tokens (and text) new since the last chunk.
 
-    The last chunk has ``finished=True``, the ``finish_reason`` and the complete
-    ``output``; its text is whatever the final output adds to the text streamed so far
-    (e.g. characters held back while they might have begun a stop string).
+    ``index`` says which of the request's ``SamplingParams.n`` samples the tokens belong
+    to (always 0 for n = 1), and ``logprobs`` holds one ``{token id: Logprob}`` per token
+    when the request asked for ``logprobs``. A sample's last chunk carries its
+    ``finish_reason``; its text is whatever the sample's final output adds to the text
+    streamed so far (e.g. characters held back while they might have begun a stop string).
+    The request's last chunk (the last sample to end) also has ``finished=True`` and the
+    complete ``output``.
     """
 
     request_id: str
@@ -140,10 +159,20 @@ class StreamChunk:
     finished: bool = False
     finish_reason: str | None = None
     output: RequestOutput | None = field(default=None, repr=False)
+    index: int = 0
+    logprobs: list[PositionLogprobs] | None = field(default=None, repr=False)
+    stop_reason: int | str | None = None  # with finish_reason "stop": the string or token id
 
 
-# What the engine thread sends a stream: (new token ids, final output or None, error or None)
-Item = tuple[list[int], RequestOutput | None, BaseException | None]
+class Item(NamedTuple):
+    """What the engine thread sends a stream: one sample's new tokens, and how it ended."""
+
+    token_ids: list[int]
+    index: int = 0  # which sample
+    logprobs: list[TokenLogprobs] | None = None  # one per token, with SamplingParams.logprobs
+    completion: CompletionOutput | None = None  # the sample's final output, once it ended
+    output: RequestOutput | None = None  # the request's final output: the last item
+    error: BaseException | None = None  # the engine failed: the last item
 
 
 class RequestStream:
@@ -160,25 +189,40 @@ class RequestStream:
         self._done = threading.Event()
         self._output: RequestOutput | None = None
         self._error: BaseException | None = None
-        self._detokenizer = IncrementalDetokenizer(
-            tokenizer, params.stop, params.include_stop_str_in_output,
-            params.skip_special_tokens, params.min_tokens,
-        )
+        self._tokenizer = tokenizer
+        self._detokenizers = [  # one per sample
+            IncrementalDetokenizer(
+                tokenizer, params.stop, params.include_stop_str_in_output,
+                params.skip_special_tokens, params.min_tokens,
+            )
+            for _ in range(params.n)
+        ]
         self._read_to_end = False  # a second iteration then ends at once instead of blocking
 
     # -- engine-thread side ------------------------------------------------------------
-    def push(self, token_ids: list[int]) -> None:
-        self.sink((token_ids, None, None))
+    def push(
+        self,
+        token_ids: list[int],
+        index: int = 0,
+        logprobs: list[TokenLogprobs] | None = None,
+        completion: CompletionOutput | None = None,
+    ) -> None:
+        """New tokens of sample ``index``; with ``completion``, that sample has ended."""
+        self.sink(Item(token_ids, index, logprobs, completion))
 
     def end(
         self,
         token_ids: Iterable[int] = (),
         output: RequestOutput | None = None,
         error: BaseException | None = None,
+        index: int = 0,
+        logprobs: list[TokenLogprobs] | None = None,
     ) -> None:
+        """The request has ended: the last tokens (of sample ``index``) and its ``output``,
+        or the ``error`` that stopped the engine."""
         self._output, self._error = output, error  # set before waking anyone up
         self._done.set()
-        self.sink((list(token_ids), output, error))
+        self.sink(Item(list(token_ids), index, logprobs, None, output, error))
 
     # -- consumer side -------------------------------------------------------------------
     @property
@@ -196,14 +240,25 @@ class RequestStream:
         return self._output
 
     def to_chunk(self, item: Item) -> StreamChunk:
-        token_ids, output, error = item
-        self._read_to_end = output is not None or error is not None
-        if error is not None:
-            raise error
-        if output is None:
-            return StreamChunk(self.request_id, token_ids, self._detokenizer.push(token_ids))
-        text = self._detokenizer.finish(output.text)  # the final text is cut at a stop string
-        return StreamChunk(self.request_id, token_ids, text, True, output.finish_reason, output)
+        self._read_to_end = item.output is not None or item.error is not None
+        if item.error is not None:
+            raise item.error
+        token_ids, index = item.token_ids, item.index
+        logprobs = None
+        if item.logprobs is not None:
+            logprobs = [position_logprobs(e, self._tokenizer) for e in item.logprobs]
+        detokenizer = self._detokenizers[index]
+        completion = item.completion
+        if completion is None and item.output is not None:
+            completion = item.output.outputs[index]
+        if completion is None:
+            text = detokenizer.push(token_ids)
+            return StreamChunk(self.request_id, token_ids, text, index=index, logprobs=logprobs)
+        text = detokenizer.finish(completion.text)  # the final text is cut at a stop string
+        return StreamChunk(
+            self.request_id, token_ids, text, item.output is not None,
+            completion.finish_reason, item.output, index, logprobs, completion.stop_reason,
+        )
 
     def __iter__(self) -> Iterator[StreamChunk]:
         while not self._read_to_end:

@@ -298,3 +298,36 @@ def test_the_shared_tokenizer_is_safe_from_many_threads(engine):
 
     assert run_in_threads(work, 8) == []
     assert [results[i] for i in range(len(texts))] == expected
+
+
+@ASYNC_TOO
+def test_n_samples_stream_through_one_stream(engine, model_dir):
+    """n > 1: one stream, chunks tagged with their sample; each sample ends once (its
+    finish_reason), the last chunk carries the request's output; logprobs travel along."""
+    params = SamplingParams(temperature=1.0, seed=7, n=3, max_tokens=6, logprobs=2)
+    expected = make_llm(model_dir, num_kv_blocks=64).generate(PROMPTS[1], params, use_tqdm=False)
+    chunks = list(engine.submit(PROMPTS[1], params))
+    out = chunks[-1].output
+    assert chunks[-1].finished and not any(c.finished for c in chunks[:-1])
+    assert [o.token_ids for o in out.outputs] == [o.token_ids for o in expected[0].outputs]
+    for i, sample in enumerate(out.outputs):
+        mine = [c for c in chunks if c.index == i]
+        assert [t for c in mine for t in c.token_ids] == sample.token_ids
+        assert "".join(c.text for c in mine) == sample.text
+        assert [c.finish_reason for c in mine if c.finish_reason] == [sample.finish_reason]
+        streamed = [lp for c in mine for lp in c.logprobs]
+        assert [lp[t].logprob for lp, t in zip(streamed, sample.token_ids)] == [
+            lp[t].logprob for lp, t in zip(sample.logprobs, sample.token_ids)
+        ]
+
+
+def test_aborting_an_n_request_frees_every_sample(engine):
+    bm = engine.engine.block_manager
+    params = SamplingParams(temperature=1.0, n=4, max_tokens=400, ignore_eos=True)
+    stream = engine.submit(PROMPTS[2], params)
+    chunks = iter(stream)
+    next(chunks)
+    assert engine.abort(stream.request_id)
+    assert bm.num_free_blocks == bm.num_blocks
+    out = stream.result(timeout=5)
+    assert [o.finish_reason for o in out.outputs] == ["abort"] * 4

@@ -22,9 +22,11 @@ Threading model
   reaches the engine thread) and appends to the inbox under a lock. ``abort`` and
   ``shutdown`` wait until the engine thread has carried them out, at a step boundary.
 - *Consumers* read a ``RequestStream`` (one consumer per stream). The engine thread only
-  passes token ids; text is detokenized incrementally in the consumer's thread, which
-  keeps the step loop lean. ``stream``/``generate`` bridge into asyncio by forwarding the
-  same items into an ``asyncio.Queue`` with ``loop.call_soon_threadsafe``.
+  passes token ids (and logprobs, when asked); text is detokenized incrementally in the
+  consumer's thread, which keeps the step loop lean. A request with ``SamplingParams.n``
+  samples has one stream; each chunk says which sample (``chunk.index``) it belongs to.
+  ``stream``/``generate`` bridge into asyncio by forwarding the same items into an
+  ``asyncio.Queue`` with ``loop.call_soon_threadsafe``.
 - Every stream ends, one way or another: finished ("stop"/"length"), aborted ("abort",
   also when ``shutdown(wait=False)`` cuts it short), failed on its own ("error": its
   output's ``error`` says why; every other request goes on), or with an ``EngineError``
@@ -40,6 +42,7 @@ Threading model
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
@@ -112,21 +115,21 @@ class AsyncEngine:
 
     def _submit(self, prompt, params, request_id, priority, sink) -> RequestStream:
         params = SamplingParams() if params is None else params
-        if isinstance(params, SamplingParams) and params.n != 1:
-            raise ValueError("AsyncEngine streams one sample per request: n must be 1 here")
-        seq: Sequence = self.engine.make_sequence(prompt, params, request_id, priority)
+        # one sequence per sample (SamplingParams.n); they report under the request's id
+        seqs: list[Sequence] = self.engine.make_sequences(prompt, params, request_id, priority)
         with self._lock:
             if self._refusal is not None:
                 raise self._refusal
-            if seq.request_id in self._streams:
-                if seq.has_user_request_id:
-                    raise ValueError(f"request id {seq.request_id!r} is already in use")
-                seq.rename(self._streams)
-            stream = RequestStream(seq.request_id, self.engine.tokenizer, params)
+            if seqs[0].parent_id in self._streams:
+                if request_id is not None:
+                    raise ValueError(f"request id {request_id!r} is already in use")
+                _rename(seqs, self._streams)
+            parent_id = seqs[0].parent_id
+            stream = RequestStream(parent_id, self.engine.tokenizer, params)
             if sink is not None:
                 stream.sink = sink
-            self._streams[seq.request_id] = stream
-            self._inbox.append(("add", seq, stream))
+            self._streams[parent_id] = stream
+            self._inbox.append(("add", seqs, stream))
             self._wakeup.notify()
         return stream
 
@@ -233,13 +236,20 @@ class AsyncEngine:
 
     def _apply(self, command: tuple) -> None:
         if command[0] == "add":
-            _, seq, stream = command
-            self._active[seq.request_id] = (stream, RequestState(seq, self.engine.tokenizer))
-            if seq.request_id in self.engine.requests:  # taken directly on the LLMEngine
-                error = f"request id {seq.request_id!r} is already in use"
-                self._publish([EngineCoreOutput(seq.request_id, [], "error", error=error)])
+            _, seqs, stream = command
+            parent_id = seqs[0].parent_id
+            state = RequestState(seqs[0], self.engine.tokenizer, len(seqs))
+            self._active[parent_id] = (stream, state)
+            taken = [s.request_id for s in seqs if s.request_id in self.engine.requests]
+            if taken:  # taken directly on the LLMEngine
+                error = f"request id {taken[0]!r} is already in use"
+                self._publish(
+                    [EngineCoreOutput(parent_id, [], "error", error=error, index=s.index)
+                     for s in seqs]
+                )
             else:
-                self.engine.add_sequence(seq)
+                for seq in seqs:
+                    self.engine.add_sequence(seq)
         else:
             _, request_id, done, aborted = command
             outputs = self.engine.abort_request(request_id)
@@ -254,14 +264,18 @@ class AsyncEngine:
                 continue  # added behind our back (e.g. directly on the LLMEngine)
             stream, state = entry
             state.update(out)
+            ids, index, logprobs = out.new_token_ids, out.index, out.new_logprobs
             if not out.finished:
-                stream.push(out.new_token_ids)
+                stream.push(ids, index, logprobs)
                 continue
             output = state.output()  # first: if it raises, the stream is still listed
+            if not state.finished:  # one sample has ended, others go on
+                stream.push(ids, index, logprobs, output.outputs[index])
+                continue
             del self._active[out.request_id]
             with self._lock:
                 self._streams.pop(out.request_id, None)
-            stream.end(out.new_token_ids, output)
+            stream.end(ids, output, index=index, logprobs=logprobs)
 
     def _fail_all(self, exc: BaseException) -> None:
         error = EngineError(f"engine step failed: {exc!r}")
@@ -281,3 +295,14 @@ class AsyncEngine:
         for command in commands:
             if command[0] == "abort":
                 command[2].set()
+
+
+def _rename(seqs: list[Sequence], taken: dict) -> None:
+    """Give a request with a generated id that is in use (a user chose it) a fresh one."""
+    if len(seqs) == 1:
+        seqs[0].rename(taken)
+        return
+    candidates = (f"{seqs[0].seq_id}-{k}" for k in itertools.count(1))
+    fresh = next(c for c in candidates if c not in taken)
+    for seq in seqs:  # the samples' ids derive from the request's (input_processor.py)
+        seq.parent_id, seq.request_id = fresh, f"{seq.index}_{fresh}"

@@ -15,10 +15,13 @@ from dataclasses import dataclass
 
 from nanovllm.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.sequence import Sequence
-from nanovllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
-
-# (token id, its logprob, its rank, the top k token ids, their logprobs): one position
-TokenLogprobs = tuple[int, float, int, list[int], list[float]]
+from nanovllm.outputs import (
+    CompletionOutput,
+    PositionLogprobs,
+    RequestOutput,
+    TokenLogprobs,
+    position_logprobs,
+)
 
 
 @dataclass
@@ -111,15 +114,4 @@ class RequestState:
 
     def _logprobs(self, entry: TokenLogprobs | None) -> PositionLogprobs | None:
         """``{token id: Logprob}`` for the chosen token and the top k, with their texts."""
-        if entry is None:
-            return None
-        token, logprob, rank, top_ids, top_logprobs = entry
-        ids = [token, *top_ids]
-        logprobs = [logprob, *top_logprobs]
-        ranks = [rank, *range(1, len(top_ids) + 1)]
-        return {
-            t: Logprob(lp, r, self._decode(t)) for t, lp, r in zip(ids, logprobs, ranks)
-        }
-
-    def _decode(self, token: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token])
+        return position_logprobs(entry, self.tokenizer)

@@ -1,0 +1,152 @@
+"""Admission control: who may send a request, and whether it may enter now (chapter 10).
+
+Three gates, checked in this order before a request reaches the engine:
+
+1. **API keys** (``Authorization: Bearer <key>``): with keys configured, a missing or
+   unknown key is a 401. A key names a tenant (its ``name``: the fair policy's user) and a
+   key class (its priority and limits).
+2. **Per-key token buckets**: requests per second (a bucket of ``burst`` requests,
+   refilled at ``requests_per_second``) and tokens per minute (a bucket of
+   ``tokens_per_minute`` tokens refilled evenly over the minute). A request enters when
+   the request bucket holds one request and the token bucket holds its prompt; its
+   generated tokens are charged when it ends (the bucket may go into debt, which delays
+   the key's next requests). Otherwise: 429 with ``Retry-After``, the seconds until the
+   bucket will hold enough.
+3. **Queue depth**: at most ``max_num_seqs + max_queue_depth`` sequences (a request with
+   ``n`` samples counts n) in the server at once; beyond that 429 (and a request larger
+   than that on its own is a 400: it could never enter).
+
+The event loop runs every check and update, one request at a time, so no locks are needed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from nanovllm.serve.config import Limits, ServeConfig
+from nanovllm.serve.errors import APIError
+
+
+class TokenBucket:
+    """``rate`` tokens per second flow into a bucket that holds at most ``capacity``; it
+    starts full. ``take`` may leave it below zero: a debt that refills like any deficit."""
+
+    def __init__(self, rate: float, capacity: float, clock: Callable[[], float] = time.monotonic):
+        self.rate, self.capacity, self.clock = float(rate), float(capacity), clock
+        self.level, self.updated = float(capacity), clock()
+
+    def _refill(self) -> None:
+        now = self.clock()
+        self.level = min(self.capacity, self.level + (now - self.updated) * self.rate)
+        self.updated = now
+
+    def wait_time(self, amount: float) -> float:
+        """Seconds until the bucket holds ``amount`` (at most ``capacity``); 0: now."""
+        self._refill()
+        return max(0.0, (min(amount, self.capacity) - self.level) / self.rate)
+
+    def take(self, amount: float) -> None:
+        self._refill()
+        self.level -= amount
+
+
+@dataclass
+class Tenant:
+    """Who sent a request: the key's name (None without keys) and its class's limits."""
+
+    name: str | None
+    key_class: str
+    limits: Limits
+    requests: TokenBucket | None
+    tokens: TokenBucket | None
+
+
+@dataclass
+class Ticket:
+    """An admitted request's place in the server; ``Admission.release`` gives it back."""
+
+    tenant: Tenant
+    size: int  # sequences (n samples of each prompt)
+    released: bool = False
+
+
+class Admission:
+    def __init__(
+        self, config: ServeConfig, max_num_seqs: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.clock = clock
+        self.classes = config.key_classes
+        self.keys = {k.key: k for k in config.api_keys}
+        self.tenants: dict[str | None, Tenant] = {}
+        depth = config.max_queue_depth
+        self.capacity = None if depth is None else max_num_seqs + depth
+        self.in_flight = 0  # sequences admitted and not yet released
+
+    @property
+    def requires_key(self) -> bool:
+        return bool(self.keys)
+
+    def authenticate(self, authorization: str | None) -> Tenant:
+        """The tenant behind an ``Authorization`` header; 401 when keys are configured and
+        it names none of them."""
+        if not self.keys:
+            return self._tenant(None, "default")
+        scheme, _, token = (authorization or "").partition(" ")
+        key = self.keys.get(token.strip()) if scheme.lower() == "bearer" else None
+        if key is None:
+            message = ("Incorrect API key provided." if authorization else
+                       "You didn't provide an API key (Authorization: Bearer <key>).")
+            raise APIError(401, message, "invalid_api_key")
+        return self._tenant(key.name, key.key_class)
+
+    def _tenant(self, name: str | None, key_class: str) -> Tenant:
+        tenant = self.tenants.get(name)
+        if tenant is None:
+            limits = self.classes[key_class]
+            rps, tpm = limits.requests_per_second, limits.tokens_per_minute
+            requests = TokenBucket(rps, limits.request_burst, self.clock) if rps else None
+            tokens = TokenBucket(tpm / 60, tpm, self.clock) if tpm else None
+            tenant = self.tenants[name] = Tenant(name, key_class, limits, requests, tokens)
+        return tenant
+
+    def admit(self, tenant: Tenant, size: int, prompt_tokens: int) -> Ticket:
+        """Take a request of ``size`` sequences and ``prompt_tokens`` prompt tokens, or raise
+        a 429 (with ``retry_after``; a 400 if it can never fit) and change nothing."""
+        if self.capacity is not None and size > self.capacity:
+            raise APIError(400, f"This request needs {size} sequences (n times its prompts); "
+                           f"the server holds at most {self.capacity}.", "too_many_sequences",
+                           "n")
+        if self.capacity is not None and self.in_flight + size > self.capacity:
+            raise APIError(
+                429, f"The server is at capacity ({self.in_flight} sequences in flight, "
+                f"at most {self.capacity}); retry later.", "queue_full", retry_after=1,
+            )
+        waits = []
+        if tenant.requests is not None:
+            waits.append(("requests per second", tenant.requests.wait_time(1)))
+        if tenant.tokens is not None:
+            waits.append(("tokens per minute", tenant.tokens.wait_time(prompt_tokens)))
+        limit, wait = max(waits, key=lambda w: w[1], default=(None, 0.0))
+        if wait > 0:
+            who = f"key {tenant.name!r}" if tenant.name else "this server"
+            raise APIError(
+                429, f"Rate limit reached for {who} on {limit}; retry in {wait:.2f} s.",
+                "rate_limit_exceeded", retry_after=wait,
+            )
+        if tenant.requests is not None:
+            tenant.requests.take(1)
+        if tenant.tokens is not None:
+            tenant.tokens.take(prompt_tokens)
+        self.in_flight += size
+        return Ticket(tenant, size)
+
+    def release(self, ticket: Ticket, generated_tokens: int = 0) -> None:
+        """The request has ended: free its place and charge what it generated (once)."""
+        if ticket.released:
+            return
+        ticket.released = True
+        self.in_flight -= ticket.size
+        if ticket.tenant.tokens is not None:
+            ticket.tenant.tokens.take(generated_tokens)

@@ -1,0 +1,88 @@
+"""``/metrics``: the server's Prometheus metrics, vLLM's names under ``nanovllm:`` (chapter 10).
+
+Gauges are read from the engine when Prometheus scrapes (running and waiting sequences,
+KV-cache usage, prefix-cache hit rate); histograms and counters are updated when a request
+ends (time to first token, time per output token, end-to-end latency, queue time; prompt
+and generated tokens; finished requests by reason) or is turned away (rejections by
+reason). Each server has its own registry, so several can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.outputs import RequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# Latency buckets (seconds), from a GPU's milliseconds to a loaded CPU's seconds
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+                0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+               50.0, 60.0, 120.0, 240.0)
+
+
+class ServerMetrics:
+    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+        self.registry = registry = CollectorRegistry()
+        self.model_name = model_name
+        label = ["model_name"]
+
+        def gauge(name: str, doc: str, read) -> None:
+            g = Gauge(f"nanovllm:{name}", doc, label, registry=registry)
+            g.labels(model_name).set_function(read)
+
+        scheduler, blocks = engine.scheduler, engine.block_manager
+        gauge("num_requests_running", "Sequences in the running batch.",
+              lambda: len(scheduler.running))
+        gauge("num_requests_waiting", "Sequences waiting for a slot.",
+              lambda: len(scheduler.waiting))
+        gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).",
+              lambda: blocks.usage)
+        gauge("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache (0-1).",
+              lambda: blocks.prefix_hit_rate)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(f"nanovllm:{name}", doc, label, buckets=buckets, registry=registry)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds", "Mean time between tokens.",
+                              TPOT_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.",
+                               E2E_BUCKETS)
+        self.prompt_tokens = Counter("nanovllm:prompt_tokens", "Prompt tokens processed.",
+                                     label, registry=registry)
+        self.generation_tokens = Counter("nanovllm:generation_tokens", "Tokens generated.",
+                                         label, registry=registry)
+        self.finished = Counter("nanovllm:request_success", "Requests ended, by finish reason.",
+                                [*label, "finished_reason"], registry=registry)
+        self.rejected = Counter("nanovllm:request_rejected", "Requests turned away, by reason.",
+                                [*label, "reason"], registry=registry)
+        for metric in (self.ttft, self.tpot, self.e2e, self.queue, self.prompt_tokens,
+                       self.generation_tokens):
+            metric.labels(model_name)  # every series exists from the start, at zero
+
+    def observe(self, output: RequestOutput) -> None:
+        """A request has ended: record its latencies and tokens."""
+        model = self.model_name
+        m = output.metrics
+        if m is not None:
+            for hist, value in ((self.ttft, m.time_to_first_token),
+                                (self.tpot, m.time_per_output_token),
+                                (self.e2e, m.e2e_latency), (self.queue, m.queue_time)):
+                if value is not None:
+                    hist.labels(model).observe(value)
+        self.prompt_tokens.labels(model).inc(len(output.prompt_token_ids))
+        generated = sum(len(o.token_ids) for o in output.outputs)
+        self.generation_tokens.labels(model).inc(generated)
+        for completion in output.outputs:
+            self.finished.labels(model, completion.finish_reason or "unknown").inc()
+
+    def reject(self, reason: str) -> None:
+        self.rejected.labels(self.model_name, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,110 @@
+"""Running the app: uvicorn, graceful shutdown, and a server on a background thread
+(chapter 10).
+
+``serve(config)`` builds the engine and serves until SIGTERM or Ctrl-C. Shutdown drains:
+the first signal stops admitting (new requests get 503, the listening socket closes) and
+lets the requests in flight finish for up to ``grace_period`` seconds; whatever still runs
+then is aborted, so its stream ends with finish_reason "abort" and its client gets a
+complete response. A second Ctrl-C quits at once.
+
+``ServerThread(app)`` runs an app on 127.0.0.1 on a free port in a background thread: for
+tests, notebooks and the load generator (signals stay with the main thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+
+import uvicorn
+from fastapi import FastAPI
+
+from nanovllm.engine.async_engine import AsyncEngine
+from nanovllm.serve.app import build_app
+from nanovllm.serve.config import ServeConfig
+
+logger = logging.getLogger("nanovllm.serve")
+SHUTDOWN_MARGIN = 5.0  # uvicorn's own deadline, after ours: a backstop only
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose exit signals first start draining the engine."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI, engine: AsyncEngine,
+                 grace_period: float) -> None:
+        super().__init__(config)
+        self.app, self.engine, self.grace_period = app, engine, grace_period
+        self._draining = False
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if not self._draining:  # (runs in a signal handler: only start a thread here)
+            self._draining = True
+            self.app.state.serving.draining = True
+            threading.Thread(target=self._drain, name="nanovllm-drain", daemon=True).start()
+        super().handle_exit(sig, frame)
+
+    def _drain(self) -> None:
+        logger.info("draining: finishing requests in flight (up to %g s)", self.grace_period)
+        self.engine.shutdown(wait=True, timeout=self.grace_period)
+        if self.engine.is_running:
+            logger.warning("grace period over: aborting the requests still running")
+            self.engine.shutdown(wait=False)
+
+
+def serve(config: ServeConfig) -> None:
+    """Build the engine for ``config`` and serve it until a shutdown signal."""
+    logging.basicConfig(level=config.log_level.upper() if config.log_level != "trace" else 5,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logger.info("loading %s", config.model)
+    engine = AsyncEngine.from_model(config.model, **config.engine_options())
+    try:
+        app = build_app(engine, config)
+        uv_config = uvicorn.Config(
+            app, host=config.host, port=config.port, log_level=config.log_level,
+            timeout_graceful_shutdown=config.grace_period + SHUTDOWN_MARGIN,
+        )
+        DrainingServer(uv_config, app, engine, config.grace_period).run()
+    finally:
+        engine.shutdown(wait=False)
+
+
+class ServerThread:
+    """An app served on ``host`` (a free port unless ``port`` is given) by a background
+    thread; ``url`` is its address. Use as a context manager, or ``start``/``stop``."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0,
+                 log_level: str = "warning") -> None:
+        self.app = app
+        self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.socket.bind((host, port))
+        self.host, self.port = self.socket.getsockname()[:2]
+        self.url = f"http://{self.host}:{self.port}"
+        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True,
+            name="nanovllm-server",
+        )
+
+    def start(self, timeout: float = 30.0) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        self.socket.close()
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
