@@ -265,9 +265,9 @@ for out in outputs[:2]:
 # | 05 | the paged attention kernel: Triton paged decode, store_kv | `kernels/decode_attention.py`, `kernels/store_kv.py` |
 # | 06 | the scheduler: continuous batching, chunked prefill, preemption, policies | `engine/scheduler.py`, `engine/policies.py`, `engine/llm_engine.py` |
 # | 07 | CUDA graphs: launch overhead, capture and replay, buckets | `engine/cuda_graphs.py` |
-# | 08 | quantization: int8 weight-only, fp8 weights and KV cache | `quantization/` |
+# | 08 | quantization: int8 weight-only, fp8 weights and KV cache | `layers/quantization/`, `kernels/int8_gemm.py` |
 # | 09 | tensor parallelism: column/row parallel layers, all-reduce | `distributed.py`, `layers/linear.py`, `layers/embed_head.py` |
-# | 10 | serving: async engine, OpenAI-compatible server, streaming | `engine/async_engine.py`, `server/` |
+# | 10 | serving: async engine, OpenAI-compatible server, streaming | `engine/async_engine.py`, `serve/` |
 # | 11 | performance: benchmark against transformers, roofline, fused kernels, async scheduling, profile, tuning, long context | `bench.py`, `profiling.py`, `tuning.py`, `kernels/rmsnorm.py`, `kernels/rope.py`, `kernels/activation.py`, `layers/fused.py`, `configs/`, `layers/rotary.py` (RoPE scaling) |
 
 # %% [markdown]

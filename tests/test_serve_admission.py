@@ -18,6 +18,7 @@ class Clock:
         return self.now
 
 
+@pytest.mark.assignment("10.token_bucket")
 def test_token_bucket_refills_at_its_rate_and_caps_at_its_capacity():
     clock = Clock()
     bucket = TokenBucket(rate=2, capacity=4, clock=clock)
@@ -55,6 +56,7 @@ def test_queue_depth_counts_sequences():
     adm.release(adm.admit(tenant, 3, 5))
 
 
+@pytest.mark.assignment("10.token_bucket")
 def test_keys_classes_and_per_key_buckets():
     clock = Clock()
     keys = [ApiKey("k1", "alice", "gold"), ApiKey("k2", "bob")]

@@ -38,9 +38,23 @@ class TokenBucket:
         self.level, self.updated = float(capacity), clock()
 
     def _refill(self) -> None:
+        """Bring ``level`` up to the clock's present: add what flowed in since ``updated``.
+
+        Handout (chapter 10 §4, assignment ``10.token_bucket``): the bucket is lazy, nothing
+        ticks in the background; every ``wait_time`` and ``take`` first calls this method.
+        ``self.clock()`` returns the time in seconds (a fake clock in the tests), ``self.rate``
+        is tokens per second, ``self.capacity`` the most the bucket holds, ``self.level`` what
+        it holds (below zero after a ``take`` beyond it: a debt) and ``self.updated`` the time
+        of the previous refill. Add ``rate`` times the seconds elapsed since ``updated`` to
+        ``level``, never going above ``capacity`` (an idle key does not hoard tokens), and
+        record the present time in ``updated`` so the same interval is never counted twice.
+        Hint: read the clock once; a debt refills like any other deficit.
+        """
+        # >>> assignment 10.token_bucket (4 points)
         now = self.clock()
         self.level = min(self.capacity, self.level + (now - self.updated) * self.rate)
         self.updated = now
+        # <<< assignment 10.token_bucket
 
     def wait_time(self, amount: float) -> float:
         """Seconds until the bucket holds ``amount`` (at most ``capacity``); 0: now."""
