@@ -12,6 +12,9 @@ generated tokens is known in advance and speed does not depend on weight values:
 batching on a GPU, its padded batched ``generate`` on a CPU. Its throughput counts only
 the requested tokens, not the padding it computes.
 
+``--quantization {int8,fp8}`` and ``--kv-cache-dtype fp8`` run the engine quantized
+(chapter 08; recorded in the JSON with the KV capacity in blocks; the peer runs unquantized).
+
 ``--logprobs K`` and ``--penalties`` make every nanovllm request also ask for its tokens'
 logprobs (top K) or apply repetition/presence/frequency penalties, to measure what those
 cost (chapter 11): compare ``nanovllm_tok_s`` with a run without the flag. The peer runs
@@ -34,6 +37,7 @@ import torch
 from nanovllm import LLM, SamplingParams
 from nanovllm.configs import SHIPPED, config_path
 from nanovllm.decode_step_bench import decode_step_benchmark
+from nanovllm.layers.quantization import KV_CACHE_DTYPES, QUANTIZATION_METHODS
 from nanovllm.models import ModelConfig
 
 # --penalties: what every request then uses (vLLM's names; all three on at once)
@@ -100,6 +104,11 @@ def run_nanovllm(
     """Seconds to run the workload (after a warm-up) and the engine; ``sampling``: extra
     ``SamplingParams`` fields for every request (``--logprobs``, ``--penalties``)."""
     llm = LLM(path, load_format=load_format, **options)
+    return time_workload(llm, work, sampling), llm
+
+
+def time_workload(llm: LLM, work: Workload, sampling: dict | None = None) -> float:
+    """Seconds ``llm`` takes to run the workload, after a warm-up (see ``run_nanovllm``)."""
     sampling = sampling or {}
     params = [
         SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, **sampling)
@@ -111,7 +120,7 @@ def run_nanovllm(
     sync(llm.config.device)
     elapsed = time.perf_counter() - start
     assert sum(len(o.token_ids) for o in outs) == work.output_tokens
-    return elapsed, llm
+    return elapsed
 
 
 def _hf_model(path: str, load_format: str, dtype: torch.dtype, device: str):
@@ -249,6 +258,18 @@ def main() -> None:
         help="every nanovllm request uses repetition_penalty=1.1, presence_penalty=0.5, "
         "frequency_penalty=0.5",
     )
+    parser.add_argument(
+        "--quantization",
+        choices=QUANTIZATION_METHODS,
+        default=None,
+        help="quantize the linear layers at load time (chapter 08; default: none)",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="fp8: an e4m3 KV cache (chapter 08)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write results as JSON here")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument(
@@ -265,14 +286,18 @@ def main() -> None:
     args = parser.parse_args()
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    quant = dict(quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     if args.decode_step:
-        rows = decode_step_benchmark(args.model or "qwen3-0.6b", [1, 64, 256], 1024)
+        rows = decode_step_benchmark(args.model or "qwen3-0.6b", [1, 64, 256], 1024, **quant)
         if args.out:
             meta = {
                 "device": torch.cuda.get_device_name(),
                 "date": time.strftime("%Y-%m-%d"),
                 "torch": torch.__version__,
-                "command": "python -m nanovllm.bench --decode-step",
+                "command": "python -m nanovllm.bench --decode-step"
+                + (f" --quantization {args.quantization}" if args.quantization else "")
+                + (" --kv-cache-dtype fp8" if args.kv_cache_dtype == "fp8" else ""),
+                **quant,
             }
             args.out.write_text(json.dumps({**meta, "rows": rows}, indent=2))
         return
@@ -285,6 +310,7 @@ def main() -> None:
         async_scheduling=False if args.no_async_scheduling else None,
         max_num_seqs=args.max_num_seqs,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        **quant,
     )
     if args.max_num_batched_tokens:
         options["max_num_batched_tokens"] = args.max_num_batched_tokens
@@ -306,6 +332,9 @@ def main() -> None:
         "output_tokens": work.output_tokens,
         "nanovllm_seconds": ours,
         "nanovllm_tok_s": work.output_tokens / ours,
+        "quantization": llm.config.quantization,
+        "kv_cache_dtype": llm.config.kv_cache_dtype,
+        "num_kv_blocks": llm.engine.runner.num_kv_blocks,
         "attention_backend": llm.engine.runner.backend.name,
         "cuda_graphs": bool(getattr(llm.engine.runner, "graphs", None)),
         "async_scheduling": llm.config.async_scheduling,
@@ -317,9 +346,8 @@ def main() -> None:
         weight_bytes = sum(
             p.numel() * p.element_size() for p in llm.engine.runner.model.parameters()
         )
-        bound = bandwidth_bound_seconds(
-            work, llm.engine.model_config, weight_bytes, llm.config.torch_dtype.itemsize, bw
-        )
+        kv_elem = llm.engine.runner.kv_dtype.itemsize  # 1 for an fp8 cache
+        bound = bandwidth_bound_seconds(work, llm.engine.model_config, weight_bytes, kv_elem, bw)
         results.update(
             copy_bandwidth_gb_s=bw / 1e9,
             bound_tok_s=work.output_tokens / bound,

@@ -113,7 +113,8 @@ class EngineConfig:
     # embeddings and the LM head keep ``dtype``. "fp8" needs a GPU of compute capability
     # >= 8.9 (Ada, Hopper); on CPU it runs an emulation (fp8 values, fp32 matmul) that gives
     # fp8's accuracy but not its speed. kv_cache_dtype: "auto" (= dtype) or "fp8" (e4m3, one
-    # scale per layer; the torch attention backend only, for now), which halves KV bytes.
+    # scale per layer), which halves KV bytes; with the Triton attention kernels on a GPU it
+    # needs compute capability >= 8.9 too (the torch backend runs it anywhere).
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
 
@@ -184,13 +185,22 @@ class EngineConfig:
     def _check_backend(self) -> None:
         """Refuse, now rather than at the first step, what the chosen backend cannot run."""
         from nanovllm.layers.attention import resolve_backend_name  # (imports the layers)
+        from nanovllm.layers.quantization.fp8 import MIN_FP8_CAPABILITY, fp8_supported
 
         backend = resolve_backend_name(self.attention_backend, torch.device(self.device).type)
-        if self.kv_cache_dtype == "fp8" and backend != "torch":
+        # Triton's e4m3 type (tl.float8e4nv) compiles only for compute capability >= 8.9;
+        # under the interpreter (CPU) it always works.
+        if self.kv_cache_dtype == "fp8" and backend == "triton" and not fp8_supported(
+            self.device
+        ):
+            major, minor = torch.cuda.get_device_capability(self.device)
+            need = ".".join(map(str, MIN_FP8_CAPABILITY))
             raise ValueError(
-                f"kv_cache_dtype='fp8' needs attention_backend='torch' for now: the "
-                f"{backend!r} attention kernels do not read an fp8 cache yet "
-                f"(attention_backend={self.attention_backend!r} on {self.device})"
+                f"kv_cache_dtype='fp8' with the Triton attention kernels needs a GPU of compute "
+                f"capability >= {need} (Ada, Hopper or newer: Triton converts e4m3 only there); "
+                f"{self.device} has {major}.{minor} (attention_backend="
+                f"{self.attention_backend!r}). Use attention_backend='torch', or "
+                "kv_cache_dtype='auto'"
             )
         if backend == "flash_attn":
             raise ValueError("attention_backend='flash_attn' needs the flash-attn package")

@@ -4,6 +4,8 @@
 A batch of sequences whose prompts are "already cached" (their KV slots hold random values)
 takes one decode step at a time through ``ModelRunner.run``: prepare the inputs, run the
 model, sample. That isolates what CUDA graphs and the fused kernels change per step.
+It can also time an engine built elsewhere (``nanovllm/quant_bench.py`` passes quantized
+engines, chapter 08).
 """
 
 from __future__ import annotations
@@ -16,25 +18,42 @@ import torch
 from nanovllm import LLM, SamplingParams
 from nanovllm.configs import config_path
 
+FILL_CHUNK = 1 << 26  # elements filled per randn draw in fill_random_ (128 MiB of fp16)
+
 
 @torch.inference_mode()
 def decode_step_benchmark(
-    model: str, batches: list[int], context: int, iters: int = 30
+    model: str | LLM,
+    batches: list[int],
+    context: int,
+    iters: int = 30,
+    modes: tuple[str, ...] = ("eager", "graphs"),
+    unfused: bool = True,
+    **engine_options,
 ) -> list[dict]:
     """Time one engine decode step (prepare + forward + sample) eager and with CUDA graphs,
-    with the fused Triton kernels on and off."""
+    with the fused Triton kernels on and off.
+
+    ``model``: a shipped config name (random weights; ``engine_options`` such as
+    ``quantization`` or ``kv_cache_dtype`` go to ``LLM``), or an ``LLM`` already built, timed
+    as it is (it needs ``max_num_seqs >= max(batches)`` and ``max_model_len > context``).
+    One row per batch size with ``{mode}_ms`` for each of ``modes`` ("graphs" runs eager where
+    the engine captured none, e.g. on CPU); ``unfused=True`` also times every mode with the
+    fused kernels off (``{mode}_unfused_ms``; the engine stays unfused afterwards).
+    """
     from nanovllm.engine.scheduler import ScheduledBatch
     from nanovllm.engine.sequence import Sequence
     from nanovllm.layers.fused import set_fused_kernels
 
-    llm = LLM(
+    llm = model if isinstance(model, LLM) else LLM(
         str(config_path(model)),
         load_format="dummy",
         max_num_seqs=max(batches),
         max_model_len=context + 64,
+        **engine_options,
     )
     engine, runner = llm.engine, llm.engine.runner
-    runner.kv_cache.normal_()  # time on real-looking data, not on whatever memory held
+    fill_random_(runner.kv_cache)  # time on real-looking data, not on whatever memory held
     rng = random.Random(0)
     rows = []
     for size in batches:
@@ -49,32 +68,55 @@ def decode_step_benchmark(
             batch.add(seq, 1)
         rows.append({"batch": size, "context": context, "batch_seqs": batch})
     # Fused kernels on (the engine's default), then off, with graphs recaptured without them.
-    for fused in (True, False):
+    for fused in (True, False) if unfused else (True,):
         if not fused:
             set_fused_kernels(runner.model, False)
-            runner.capture_graphs()
+            if runner.graphs is not None:
+                runner.capture_graphs()
         suffix = "" if fused else "_unfused"
         for row in rows:
-            for mode in ("eager", "graphs"):
+            for mode in modes:
                 graphs, runner.graphs = runner.graphs, runner.graphs if mode == "graphs" else None
                 row[f"{mode}{suffix}_ms"] = _time_steps(runner, row["batch_seqs"], iters) * 1e3
                 runner.graphs = graphs
     for row in rows:
         for seq in row.pop("batch_seqs").seqs:
             engine.block_manager.free(seq)
-        row["speedup"] = row["eager_ms"] / row["graphs_ms"]
-        row["fusion_speedup_graphs"] = row["graphs_unfused_ms"] / row["graphs_ms"]
+        if "eager_ms" in row and "graphs_ms" in row:
+            row["speedup"] = row["eager_ms"] / row["graphs_ms"]
+        if "graphs_unfused_ms" in row:
+            row["fusion_speedup_graphs"] = row["graphs_unfused_ms"] / row["graphs_ms"]
         print(row, flush=True)
     return rows
+
+
+def fill_random_(cache: torch.Tensor) -> None:
+    """Fill ``cache`` with standard normal values in place, whatever its dtype.
+
+    ``normal_`` has no kernel for float8 (an fp8 KV cache), so those caches are filled from
+    fp16 draws, a chunk at a time: a full-size temporary would not fit beside a cache that
+    takes most of the GPU."""
+    if cache.dtype.itemsize > 1:
+        cache.normal_()
+        return
+    flat = cache.view(-1)
+    for start in range(0, flat.numel(), FILL_CHUNK):
+        part = flat[start : start + FILL_CHUNK]
+        part.copy_(torch.randn(part.numel(), dtype=torch.float16, device=cache.device))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _time_steps(runner, batch, iters: int) -> float:
     """Seconds per ``runner.run(batch)``, after three untimed warm-up steps."""
     for _ in range(3):
         runner.run(batch)
-    torch.cuda.synchronize()
+    _sync(runner.device)
     start = time.perf_counter()
     for _ in range(iters):
         runner.run(batch)
-    torch.cuda.synchronize()
+    _sync(runner.device)
     return (time.perf_counter() - start) / iters

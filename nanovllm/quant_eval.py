@@ -3,6 +3,11 @@
     python -m nanovllm.quant_eval                       # SmolLM2, int8, fp8, fp8 KV, both
     python -m nanovllm.quant_eval --variants int8 fp8 --text some.txt --json out.json
 
+The texts: by default the public-domain text the package ships (``nanovllm/data/``, chapters
+I-II of *Alice's Adventures in Wonderland*, ~6,100 SmolLM2 tokens; its README gives source
+and licence), cut into pieces of about ``--chunk`` characters at paragraph breaks;
+``--text`` scores another file, ``--builtin-texts`` four short prompts instead.
+
 Each *variant* (``int8``, ``fp8``, ``kv-fp8``, or weights and KV together as ``int8+kv-fp8``)
 is compared with the unquantized engine of the same model, device and dtype:
 
@@ -22,6 +27,9 @@ import argparse
 import json
 import math
 import statistics
+import sys
+import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -33,7 +41,8 @@ from nanovllm.evaluate import greedy_agreement, perplexity
 from nanovllm.layers.linear import LinearBase
 from nanovllm.layers.quantization import get_linear_method
 
-TEXTS = [  # a few kinds of text; pass --text for a longer one
+SHIPPED_TEXT = Path(__file__).parent / "data" / "alice_in_wonderland_ch1-2.txt"
+TEXTS = [  # a few kinds of text (--builtin-texts)
     "The capital of France is Paris. It is known for the Eiffel Tower, museums such as the "
     "Louvre, and its cafes along the river Seine.",
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + "
@@ -43,6 +52,18 @@ TEXTS = [  # a few kinds of text; pass --text for a longer one
     "Water boils at 100 degrees Celsius at sea level, but at higher altitudes the air pressure "
     "is lower, so it boils at a lower temperature.",
 ]
+
+
+def text_chunks(body: str, chunk: int) -> list[str]:
+    """``body`` in pieces of about ``chunk`` characters, cut between paragraphs (a paragraph
+    longer than ``chunk`` is a piece of its own)."""
+    pieces, current = [], ""
+    for paragraph in body.split("\n\n"):
+        if current and len(current) + len(paragraph) + 2 > chunk:
+            pieces.append(current)
+            current = ""
+        current = f"{current}\n\n{paragraph}" if current else paragraph
+    return [p for p in pieces + [current] if p.strip()]
 
 
 def split_variant(variant: str) -> tuple[str | None, str]:
@@ -60,20 +81,22 @@ def split_variant(variant: str) -> tuple[str | None, str]:
 
 def make_engine(model: str, device: str, dtype: str, variant: str | None) -> LLM:
     quantization, kv = split_variant(variant) if variant else (None, "auto")
-    options = {"attention_backend": "torch"} if kv == "fp8" else {}  # (Triton: no fp8 KV yet)
     return LLM(model, device=device, dtype=dtype, quantization=quantization,
-               kv_cache_dtype=kv, enable_prefix_caching=False, **options)
+               kv_cache_dtype=kv, enable_prefix_caching=False)
 
 
 @torch.inference_mode()
-def position_logits(llm: LLM, ids: list[list[int]]) -> torch.Tensor:
+def position_logits(llm: LLM, ids: list[list[int]]) -> list[torch.Tensor]:
+    """The logits at every position of each text (the model run without a KV cache), one
+    ``[len, vocab]`` tensor per text, on the CPU in the model's dtype. (Kept per text and not
+    widened: 6,000 positions x SmolLM2's 49,152 logits are 1.2 GB in fp32, 2.4 in fp64.)"""
     model, device = llm.engine.runner.model, llm.engine.runner.device
     rows = []
     with attention_metadata(None):
         for seq in ids:
             t = torch.tensor(seq, device=device)
-            rows.append(model.compute_logits(model(t, torch.arange(len(t), device=device))))
-    return torch.cat(rows).double().cpu()
+            rows.append(model.compute_logits(model(t, torch.arange(len(t), device=device))).cpu())
+    return rows
 
 
 @torch.inference_mode()
@@ -103,10 +126,17 @@ def layer_sqnr(inputs: dict, method: str) -> list[float]:
     return values
 
 
-def kl_and_top1(logits: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
-    kl = F.kl_div(logits.log_softmax(-1), ref.log_softmax(-1), log_target=True,
-                  reduction="none").sum(-1)
-    return kl.mean().item(), (logits.argmax(-1) == ref.argmax(-1)).double().mean().item()
+def kl_and_top1(logits: list[torch.Tensor], ref: list[torch.Tensor]) -> tuple[float, float]:
+    """Mean KL(ref || logits) in nats and top-1 agreement over all positions of all texts
+    (float64, one text at a time)."""
+    kl_sum, same, positions = 0.0, 0, 0
+    for lq, lr in zip(logits, ref):
+        lq, lr = lq.double(), lr.double()
+        kl = F.kl_div(lq.log_softmax(-1), lr.log_softmax(-1), log_target=True, reduction="none")
+        kl_sum += kl.sum().item()
+        same += (lq.argmax(-1) == lr.argmax(-1)).sum().item()
+        positions += len(lq)
+    return kl_sum / positions, same / positions
 
 
 def evaluate(model: str, variants: list[str], texts: list[str | list[int]], device: str,
@@ -154,7 +184,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--variants", nargs="+", default=["int8", "fp8", "kv-fp8", "int8+kv-fp8"])
-    parser.add_argument("--text", help="a text file, scored in pieces of --chunk characters")
+    parser.add_argument("--text", default=str(SHIPPED_TEXT),
+                        help="a text file, scored in pieces of about --chunk characters "
+                             "(default: the shipped public-domain text)")
+    parser.add_argument("--builtin-texts", action="store_true",
+                        help="score the four short built-in prompts instead of --text")
     parser.add_argument("--chunk", type=int, default=2000)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, else float32")
@@ -167,18 +201,20 @@ def main() -> None:
         args.model = str(smollm2_path())
     dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     texts = TEXTS
-    if args.text:
-        with open(args.text, encoding="utf-8") as f:
-            body = f.read()
-        texts = [body[i : i + args.chunk] for i in range(0, len(body), args.chunk)]
+    if not args.builtin_texts:
+        texts = text_chunks(Path(args.text).read_text(encoding="utf-8"), args.chunk)
     rows = evaluate(args.model, args.variants, texts, args.device, dtype, args.max_tokens)
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(f"{args.model} on {device_name} ({dtype}), {len(texts)} texts")
     print(format_table(rows))
     if args.json:
         settings = {**vars(args), "dtype": dtype, "device_name": device_name}
+        record = {"device": device_name, "date": time.strftime("%Y-%m-%d"),
+                  "command": " ".join(["python -m nanovllm.quant_eval", *sys.argv[1:]]),
+                  "torch": torch.__version__, "texts": len(texts),
+                  "settings": settings, "rows": rows}
         with open(args.json, "w") as f:
-            json.dump({"settings": settings, "rows": rows}, f, indent=1)
+            json.dump(record, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ ASSIGNMENTS = {
     "05.combine_splits": 7, "05.num_splits": 3,
     "06.chunk": 4, "06.preempt": 6, "06.fair_order": 6,
     "07.buckets": 3, "07.pad": 5,
+    "08.channel_scales": 4, "08.int8_linear": 3, "08.token_scales": 4,
+    "10.token_bucket": 4,
 }  # fmt: skip
 DECODE = "tests/kernels/test_decode_kernels.py::"
 FAST = [
@@ -46,6 +48,8 @@ FAST = [
     "tests/test_scheduler_steps.py",
     "tests/test_scheduler.py::test_preemption_and_prefix_cache_metrics",
     "tests/test_cuda_graphs.py",
+    "tests/test_quant_assignments.py",
+    "tests/test_serve_assignments.py",
 ]
 
 

@@ -436,11 +436,23 @@ def test_unknown_quantization(tiny_dir, bad):
         EngineConfig(model=str(tiny_dir), quantization=bad)
 
 
-def test_fp8_kv_cache_needs_the_torch_backend_for_now(tiny_dir):
-    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' needs attention_backend='torch'"):
-        EngineConfig(model=str(tiny_dir), kv_cache_dtype="fp8", attention_backend="triton")
+def test_fp8_kv_cache_with_triton_needs_fp8_conversion(tiny_dir, monkeypatch):
+    """Triton converts e4m3 on compute capability >= 8.9 only (and in its interpreter)."""
+    EngineConfig(model=str(tiny_dir), device="cpu", kv_cache_dtype="fp8",
+                 attention_backend="triton")  # the interpreter
     with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'fp8'\)"):
         EngineConfig(model=str(tiny_dir), kv_cache_dtype="int8")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match=r"Triton attention kernels needs .*>= 8\.9.* has 8\.0"):
+        EngineConfig(model=str(tiny_dir), device="cuda", kv_cache_dtype="fp8",
+                     attention_backend="triton")
+    EngineConfig(model=str(tiny_dir), device="cuda", kv_cache_dtype="fp8",
+                 attention_backend="torch")  # the torch path casts anywhere
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    EngineConfig(model=str(tiny_dir), device="cuda", kv_cache_dtype="fp8",
+                 attention_backend="triton")
 
 
 # ----------------------------------------------------------------------------- fp8 KV cache
@@ -559,3 +571,16 @@ def test_quant_eval_table(tiny_dir):
     assert 35 < int8["sqnr_min"] <= int8["sqnr_median"] < 50  # ~6 dB per bit, less outliers
     assert rows[2]["sqnr_median"] < int8["sqnr_median"]  # fp8: 3 mantissa bits, x and w
     assert len(format_table(rows).splitlines()) == 2 + len(rows)
+
+
+def test_quant_eval_scores_the_shipped_public_domain_text():
+    from nanovllm.quant_eval import SHIPPED_TEXT, text_chunks
+
+    readme = (SHIPPED_TEXT.parent / "README.md").read_text()
+    assert SHIPPED_TEXT.name in readme and "public domain" in readme.lower()
+    body = SHIPPED_TEXT.read_text(encoding="utf-8")
+    assert body.isascii() and "\r" not in body and 20_000 < len(body) < 30_000
+    for chunk in (2000, 300):
+        pieces = text_chunks(body, chunk)
+        assert "\n\n".join(pieces) == body  # cut between paragraphs, nothing lost
+        assert all(len(p) <= chunk or "\n\n" not in p for p in pieces)

@@ -204,7 +204,7 @@ GOOD_ENGINE = [
                           lambda seqs, now: seqs]),
     ("seed", [0, -1, *SEED_RANGE]),
     ("quantization", [None, "int8", "fp8"]),  # (fp8 on a CPU: the emulated path)
-    ("kv_cache_dtype", ["auto", "fp8"]),  # (fp8: the torch backend, which "auto" is on CPU)
+    ("kv_cache_dtype", ["auto", "fp8"]),
 ]
 
 

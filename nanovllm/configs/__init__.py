@@ -1,11 +1,13 @@
 """Architecture configs shipped with nanovllm, for benchmarks with random weights (chapter 11).
 
 ``config_path("qwen3-0.6b")`` is a folder that ``LLM(..., load_format="dummy")`` accepts.
+``qwen3-8b`` (Qwen3-8B's dimensions: 36 layers, hidden 4096, 32 heads over 8 KV heads) is the
+larger shape of chapter 08's quantization measurements (``nanovllm/quant_bench.py``).
 """
 
 from pathlib import Path
 
-SHIPPED = ("qwen3-0.6b", "smollm2-135m")
+SHIPPED = ("qwen3-0.6b", "qwen3-8b", "smollm2-135m")
 
 
 def config_path(name: str) -> Path:

@@ -26,7 +26,7 @@ from nanovllm.layers.fused import set_fused_kernels
 from nanovllm.layers.logits_processors import process_logits
 from nanovllm.layers.quantization import process_weights_after_loading
 from nanovllm.layers.quantization.fp8_checkpoint import read_checkpoint_quantization
-from nanovllm.layers.quantization.kv_cache import fp8_kv_backend, kv_cache_dtype
+from nanovllm.layers.quantization.kv_cache import kv_cache_dtype
 from nanovllm.layers.sampler import Sampler, compute_logprobs
 from nanovllm.models import ModelConfig, get_model_class
 from nanovllm.weights.loader import load_dummy, load_safetensors
@@ -83,9 +83,8 @@ class ModelRunner:
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)  # e4m3 for "fp8"
         self.block_size = config.block_size
         self.model = self._build_model()
-        self.backend = select_backend(config.attention_backend, self.device)
-        if config.kv_cache_dtype == "fp8":  # store e4m3, dequantize on load (chapter 08)
-            self.backend = fp8_kv_backend(self.backend)
+        # kv_cache_dtype="fp8": the backend stores e4m3 and widens it on load (chapter 08)
+        self.backend = select_backend(config.attention_backend, self.device, config.kv_cache_dtype)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attention_layers:
             layer.backend = self.backend

@@ -34,6 +34,15 @@ Runs on a GPU, or on CPU tensors under the Triton interpreter (``TRITON_INTERPRE
 upcast to fp32 before ``tl.dot``; on a GPU fp16/bf16 tiles go to the tensor cores as they are
 (``q`` and the softmax weights rounded to the cache dtype, fp32 accumulation, as in
 flash-attention). fp32 caches use exact fp32 dots. ``head_dim`` need not be a power of two.
+
+An fp8 cache (``torch.float8_e4m3fn``, ``kv_cache_dtype="fp8"``, chapter 08) holds
+``K / k_scale`` and ``V / v_scale``, one scalar scale each per layer (``store_kv`` wrote it;
+``nanovllm/layers/quantization/kv_cache.py`` says why per layer). Each K/V tile is widened to
+``q``'s dtype right after loading (exact: every e4m3 value is a bf16/fp16/fp32 value), so the
+dots run as for a 16-bit cache while only one byte per element crosses the memory bus. The
+scales never enter the loop: ``k_scale`` joins the softmax scale and ``v_scale`` multiplies
+the output. On a GPU Triton converts e4m3 only on compute capability >= 8.9 (Ada, Hopper);
+``EngineConfig`` refuses the combination on older GPUs.
 """
 
 from __future__ import annotations
@@ -79,6 +88,7 @@ def _decode_split_kernel(
     l_ptr,
     acc_ptr,
     qk_scale,
+    v_scale,
     num_splits,
     stride_qb,
     stride_qh,
@@ -98,6 +108,7 @@ def _decode_split_kernel(
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
+    FP8_KV: tl.constexpr,  # the cache is float8 e4m3: widen its tiles to q's dtype
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -125,7 +136,7 @@ def _decode_split_kernel(
     )
     if DOT_FP32:
         q = q.to(tl.float32)
-    else:
+    elif not FP8_KV:
         q = q.to(k_cache_ptr.dtype.element_ty)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -158,6 +169,9 @@ def _decode_split_kernel(
             mask=kv_mask,
             other=0.0,
         )
+        if FP8_KV:  # one byte per element loaded; widened (exactly) in registers
+            k = k.to(q_ptr.dtype.element_ty)
+            v = v.to(q_ptr.dtype.element_ty)
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -172,6 +186,12 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
+    # An fp8 cache's V holds V / v_scale. v_scale is one constant for every key, so it factors
+    # out of sum_t p_t * v_t: one multiply per output element here instead of one per loaded V
+    # element in the loop. Applied to the unnormalized acc, it also carries through the split
+    # partials, since merging them is linear in acc. (k_scale is folded into qk_scale by the
+    # launcher the same way: q . (k_scale * k) = k_scale * (q . k).)
+    acc = acc * v_scale
     out_mask = g_mask[:, None] & d_mask[None, :]
     if SINGLE_SPLIT:
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # seq_len 0 (padding rows) gives zeros, not NaN
@@ -287,6 +307,9 @@ def decode_attention(
     block_tables: torch.Tensor,
     scale: float,
     num_splits: int | None = None,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """One query token per sequence attends to its whole paged KV history.
 
@@ -295,12 +318,21 @@ def decode_attention(
     sequence including the new token; ``block_tables``: int32 ``[B, max_blocks]``, padded with
     ``-1``; ``scale``: softmax scale, usually ``head_dim ** -0.5``. ``num_splits``: chunks per
     sequence (split-KV); ``None`` chooses with :func:`choose_num_splits`.
+    The caches may instead be float8 e4m3 (an fp8 KV cache, chapter 08) holding
+    ``K / k_scale`` and ``V / v_scale``; the scales are per-layer scalars.
     Returns ``[B, num_heads, head_dim]`` in ``q``'s dtype. Rows with ``seq_len == 0`` get zeros.
     """
     batch, num_heads, head_dim = q.shape
     _, page, num_kv_heads, cache_dim = k_cache.shape
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} != v_cache {tuple(v_cache.shape)}")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache is {k_cache.dtype}, v_cache {v_cache.dtype}")
+    fp8_kv = k_cache.dtype == torch.float8_e4m3fn
+    if k_cache.dtype.itemsize == 1 and not fp8_kv:
+        raise ValueError(f"an 8-bit cache must be float8_e4m3fn (fp8 KV), got {k_cache.dtype}")
+    if fp8_kv and q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"q must be fp32, fp16 or bf16 over an fp8 cache, got {q.dtype}")
     if cache_dim != head_dim:
         raise ValueError(f"q has head_dim {head_dim}, the cache {cache_dim}")
     if num_heads % num_kv_heads:
@@ -338,7 +370,9 @@ def decode_attention(
             (batch, num_heads, num_splits, d_pad), dtype=torch.float32, device=q.device
         )
     # fp32 caches need exact fp32 dots; the interpreter cannot multiply bf16 (see docstring).
-    dot_fp32 = k_cache.dtype == torch.float32 or (k_cache.dtype == torch.bfloat16 and not on_gpu)
+    # An fp8 cache computes in q's dtype.
+    dot_dtype = q.dtype if fp8_kv else k_cache.dtype
+    dot_fp32 = dot_dtype == torch.float32 or (dot_dtype == torch.bfloat16 and not on_gpu)
 
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q,
@@ -350,7 +384,8 @@ def decode_attention(
         m_part,
         l_part,
         acc_part,
-        scale * LOG2E,
+        scale * k_scale * LOG2E,  # k_scale folded in: see the kernel's last comment
+        float(v_scale),
         num_splits,
         q.stride(0),
         q.stride(1),
@@ -370,6 +405,7 @@ def decode_attention(
         PAGE=page,
         BLOCK_N=block_n,
         SINGLE_SPLIT=single,
+        FP8_KV=fp8_kv,
         DOT_FP32=dot_fp32,
         PRECISION="ieee" if dot_fp32 else "tf32",  # fp32: exact products; half inputs ignore it
         num_warps=num_warps,

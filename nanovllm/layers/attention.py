@@ -8,6 +8,12 @@ everything cached for each sequence. Which code does that is the *backend*:
 - ``flash_attn``: the flash-attn package, when it is installed.
 
 ``attention_backend="auto"`` takes the fastest one available on the device.
+
+With ``kv_cache_dtype="fp8"`` (chapter 08) the cache holds e4m3 values, ``K / k_scale`` and
+``V / v_scale``: the Triton kernels read it directly (``store_kv`` quantizes, decode and
+prefill widen each tile on load and fold the scales into the softmax scale and the output);
+the torch backend is wrapped by ``fp8_kv_backend`` (quantize on store, dequantize the blocks
+a step uses).
 """
 
 from __future__ import annotations
@@ -20,22 +26,31 @@ from torch import nn
 
 from nanovllm.context import get_attention_metadata
 from nanovllm.layers import torch_attention
+from nanovllm.layers.quantization.kv_cache import DEFAULT_KV_SCALE, fp8_kv_backend
 
 
-def _triton_backend() -> SimpleNamespace:
+def _triton_backend(k_scale: float = 1.0, v_scale: float = 1.0) -> SimpleNamespace:
+    """Our kernels; ``k_scale``/``v_scale``: an fp8 cache's per-layer scales (else unused)."""
     from nanovllm.kernels.decode_attention import decode_attention
     from nanovllm.kernels.prefill_attention import prefill_attention
-    from nanovllm.kernels.store_kv import store_kv
+    from nanovllm.kernels.store_kv import store_kv as store_kv_kernel
+
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
+
+    def store_kv(key, value, k_cache, v_cache, slot_mapping):
+        store_kv_kernel(key, value, k_cache, v_cache, slot_mapping, **scales)
 
     def attend(q, k_cache, v_cache, meta, scale):
         # Decodes (packed first, one token each) take the decode kernel, the rest the
         # prefill kernel, whose query offsets are shifted past the decodes.
         nd, tables, lens = meta.num_decodes, meta.block_tables, meta.seq_lens_k
         if nd == len(meta.seq_lens_k_host):
-            return decode_attention(q, k_cache, v_cache, lens, tables, scale)
+            return decode_attention(q, k_cache, v_cache, lens, tables, scale, **scales)
         out = torch.empty_like(q)
         if nd:
-            out[:nd] = decode_attention(q[:nd], k_cache, v_cache, lens[:nd], tables[:nd], scale)
+            out[:nd] = decode_attention(
+                q[:nd], k_cache, v_cache, lens[:nd], tables[:nd], scale, **scales
+            )
         cu_q = meta.cu_seqlens_q[nd:] - nd
         prefill_attention(
             q[nd:],
@@ -47,10 +62,11 @@ def _triton_backend() -> SimpleNamespace:
             scale,
             meta.max_seqlen_q,
             out=out[nd:],
+            **scales,
         )
         return out
 
-    return SimpleNamespace(name="triton", store_kv=store_kv, attend=attend)
+    return SimpleNamespace(name="triton", store_kv=store_kv, attend=attend, **scales)
 
 
 def _torch_backend() -> SimpleNamespace:
@@ -66,16 +82,27 @@ def resolve_backend_name(name: str, device_type: str) -> str:
     return "triton" if device_type == "cuda" and importlib.util.find_spec("triton") else "torch"
 
 
-def select_backend(name: str, device: torch.device) -> SimpleNamespace:
-    """Resolve a backend name ("auto" included) to its functions, or explain why not."""
+def select_backend(
+    name: str, device: torch.device, kv_cache_dtype: str = "auto"
+) -> SimpleNamespace:
+    """Resolve a backend name ("auto" included) to its functions, or explain why not.
+
+    ``kv_cache_dtype="fp8"``: the backend reads and writes an e4m3 cache (chapter 08), with
+    one static scale for K and one for V (``DEFAULT_KV_SCALE``; see ``kv_cache.py``).
+    """
     name = resolve_backend_name(name, device.type)
+    fp8 = kv_cache_dtype == "fp8"
+    scale = DEFAULT_KV_SCALE
     if name == "torch":
-        return _torch_backend()
+        return fp8_kv_backend(_torch_backend(), scale, scale) if fp8 else _torch_backend()
     if name == "triton":
         try:
-            return _triton_backend()
+            backend = _triton_backend(scale, scale) if fp8 else _triton_backend()
         except ImportError as err:
             raise ValueError(f"attention_backend='triton' is unavailable: {err}") from err
+        if fp8:  # the kernels read e4m3 themselves: no wrapper
+            backend.kv_cache_dtype = "fp8"
+        return backend
     if name == "flash_attn":
         raise ValueError("attention_backend='flash_attn' needs the flash-attn package")
     raise ValueError(f"unknown attention backend {name!r}")

