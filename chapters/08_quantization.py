@@ -1009,8 +1009,8 @@ ppl_ref = by_variant["none"]["perplexity"]
 for v in ("int8", "fp8", "kv-fp8"):
     r = by_variant[v]
     change = r["perplexity"] / ppl_ref - 1
-    print(f"{v:7s}: perplexity change within 1%: {abs(change) < 0.01}, within 3%: "
-          f"{abs(change) < 0.03}; top-1 agreement at least 95%: {r['top1'] >= 0.95}")
+    print(f"{v:7s}: perplexity change within 1%: {abs(change) < 0.01}, within 5%: "
+          f"{abs(change) < 0.05}; top-1 agreement at least 95%: {r['top1'] >= 0.95}")
 print("median layer SQNR, int8 at least 8 dB above fp8:",
       by_variant["int8"]["sqnr_median"] > by_variant["fp8"]["sqnr_median"] + 8)
 
