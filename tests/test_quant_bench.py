@@ -13,8 +13,9 @@ import json
 import pytest
 
 from nanovllm.configs import config_path
+from nanovllm.gemm_bench import layer_gemms
 from nanovllm.models import ModelConfig
-from nanovllm.quant_bench import layer_gemms, main, split_variant
+from nanovllm.quant_bench import main, split_variant
 
 TINY = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64,
