@@ -22,6 +22,9 @@
 #                  Qwen3-0.6B and Qwen3-8B shapes); QUANT_BENCH_ARGS adds options (--quick)
 #     quant_eval   nanovllm.quant_eval on SmolLM2, bf16 -> quant_eval_h200.json (needs the
 #                  SmolLM2 weights, see below)
+#   serve_load   `nanovllm serve` (Qwen3-0.6B shape, dummy weights) in its own process and the
+#                load generator against it -> serve_h200.json; needs the web wheels in .webwhl
+#                (pip download fastapi uvicorn prometheus-client pyyaml httpx for cp312)
 #   quant_sweep  the int8 GEMM tile sweep: best tiles per layer shape printed in
 #                quant_sweep.log, all timings in int8_sweep_h200.json (not part of `quant`)
 # Real SmolLM2 weights: unpack them first (/work/shared/gpu/fetch-big-wheels.sh .smol weights)
@@ -64,6 +67,21 @@ for stage in $stages; do
       --json "$OUT/quant_eval_h200.json" ;;
     quant_sweep) run quant_sweep 500 python3 -m nanovllm.quant_bench --sweep-int8 \
       --out "$OUT/int8_sweep_h200.json" ;;
+    serve_load)
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/web .webwhl/*.whl \
+        && export PYTHONPATH=$PYTHONPATH:/tmp/web
+      python3 -m nanovllm.serve nanovllm/configs/qwen3-0.6b --port 8765 --log-level warning \
+        --option load_format=dummy --option gpu_memory_utilization=0.5 >"$OUT/serve_server.log" 2>&1 &
+      server=$!
+      python3 -c 'import time, httpx
+for _ in range(360):
+    try:
+        if httpx.get("http://127.0.0.1:8765/health").status_code == 200: break
+    except httpx.HTTPError: pass
+    time.sleep(0.5)'
+      run serve_load 420 python3 -m nanovllm.benchmarks.serve --base-url http://127.0.0.1:8765 \
+        --rates 4 16 64 inf --num-requests 256 --json "$OUT/serve_h200.json" --figure "$OUT/serve_h200.png"
+      kill -TERM $server; wait $server; echo "   server exit $?"; tail -n 5 "$OUT/serve_server.log" ;;
     isolation) run isolation 300 python3 -m pytest -q -p no:cacheprovider tests/test_isolation.py \
       tests/test_async_engine.py tests/test_async_scheduling.py tests/test_prefix_caching.py ;;
     executed)
