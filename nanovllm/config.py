@@ -63,7 +63,7 @@ _RULES: tuple[Rule, ...] = (
     ("gpu_memory_utilization", lambda x: is_number(x) and 0 < x <= 1, "a number in (0, 1]"),
     ("num_kv_blocks", _optional(_positive_int), "None or an int >= 1"),
     ("kv_cache_memory", _optional(_positive_int), "None or a number of bytes >= 1"),
-    ("tensor_parallel_size", is_int, "an int"),
+    ("tensor_parallel_size", _positive_int, "an int >= 1"),
     ("logprobs_mode", *_one_of(LOGPROBS_MODES)),
     ("quantization", _optional(_one_of(QUANTIZATION_METHODS)[0]),
      f"None or one of {QUANTIZATION_METHODS}"),
@@ -129,17 +129,13 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, _RULES)
-        if self.tensor_parallel_size != 1:
-            raise ValueError(
-                "EngineConfig.tensor_parallel_size must be 1 (tensor parallelism is not "
-                f"supported yet), got {self.tensor_parallel_size}"
-            )
         if not os.path.isfile(os.path.join(self.model, "config.json")):
             raise ValueError(
                 f"model {self.model!r} is not a folder with a config.json; pass the path of a "
                 "Hugging Face model folder (nanovllm.smollm2_path() gives one)"
             )
         self._resolve_device()
+        self._check_tensor_parallel()
         self._check_quantization()
         if self.async_scheduling is None:
             self.async_scheduling = self.device.startswith("cuda")
@@ -159,6 +155,23 @@ class EngineConfig:
         if index is not None and index >= torch.cuda.device_count():
             count = torch.cuda.device_count()
             raise ValueError(f"EngineConfig.device is {self.device!r} but there are {count} GPUs")
+
+    def _check_tensor_parallel(self) -> None:
+        """One rank per GPU of this machine, unless a launcher placed ranks elsewhere."""
+        n = self.tensor_parallel_size
+        if n == 1 or not self.device.startswith("cuda"):
+            return
+        if self.device != "cuda":
+            raise ValueError(
+                f"EngineConfig.device is {self.device!r}: with tensor_parallel_size={n} pass "
+                "device='cuda' (rank r uses GPU r; choose GPUs with CUDA_VISIBLE_DEVICES)"
+            )
+        if "WORLD_SIZE" not in os.environ and n > torch.cuda.device_count():
+            raise ValueError(
+                f"EngineConfig.tensor_parallel_size is {n} but this machine has "
+                f"{torch.cuda.device_count()} GPU(s); ranks on other hosts need WORLD_SIZE, "
+                "MASTER_ADDR and MASTER_PORT (see nanovllm/engine/worker.py)"
+            )
 
     def _check_quantization(self) -> None:
         """Take an fp8 checkpoint's own method; refuse what the device cannot run."""

@@ -36,6 +36,17 @@ class LLM:
         self.config = self.engine.config
         self._turn = threading.Lock()  # one generate() at a time
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes now (otherwise: when this object is
+        collected or the interpreter exits). Nothing to do with one rank."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     def generate(
         self,
         prompts: Any,

@@ -231,8 +231,8 @@ def test_model_may_be_a_path(tiny_dir):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"tensor_parallel_size": 2}, "not supported yet"),
-        ({"tensor_parallel_size": 0}, "not supported yet"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be an int >= 1"),
+        ({"tensor_parallel_size": 2, "device": "cuda:0"}, "CUDA is not available|pass device"),
         ({"attention_backend": "flash_attn"}, "flash-attn"),
         ({"scheduler_policy": "lottery"}, "unknown scheduler_policy"),
         ({"scheduler_policy": 3}, "scheduler_policy must be"),

@@ -27,6 +27,7 @@ import time
 from collections.abc import Iterable
 
 from nanovllm.config import EngineConfig
+from nanovllm.distributed import check_divisible
 from nanovllm.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.input_processor import InputProcessor
@@ -48,6 +49,10 @@ class LLMEngine:
         self.config = config
         self.model_config = ModelConfig.from_pretrained(config.model)
         get_model_class(self.model_config.architecture)  # fail early on unsupported models
+        if config.tensor_parallel_size > 1:  # before any worker starts (chapter 09)
+            mc = self.model_config
+            check_divisible(mc.num_heads, mc.num_kv_heads, mc.intermediate_size,
+                            config.tensor_parallel_size)
         if config.max_model_len is None:
             config.max_model_len = min(
                 self.model_config.max_position_embeddings, MAX_DEFAULT_MODEL_LEN
@@ -131,6 +136,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def shutdown(self) -> None:
+        """Release what outlives a Python object: the tensor-parallel workers (chapter 09)."""
+        self.runner.shutdown()
 
     # -- the loop ------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
@@ -301,6 +310,14 @@ class LLMEngine:
         self.stats.record(step)
         if self.timeline is not None:
             self.timeline.record(step.step, batch, decodes, start, end)
+
+    # -- debugging -----------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """The leak check (chapter 13): raise ``InvariantError`` naming the requests and
+        blocks if the KV bookkeeping is inconsistent (``engine/invariants.py``)."""
+        from nanovllm.engine.invariants import check_invariants
+
+        check_invariants(self)
 
 
 def _describe(err: BaseException) -> str:

@@ -6,6 +6,11 @@ token's key and value go in the cache (the *slot mapping*), runs the forward pas
 that attention metadata and samples one token for each sequence that reached its end.
 ``launch`` queues all of that without waiting for the device; ``collect`` waits for the
 tokens. Between the two the engine may plan the next step (async scheduling, chapter 11).
+
+With ``tensor_parallel_size=N`` (chapter 09) this runner is rank 0: it starts N-1 workers
+(``executor.py``), each with a ``ModelRunner`` of its own shard, and sends each step's
+``StepPlan`` to them before running its own shard; a worker's runner ``follow``s the plan
+through the same forward pass and the same LM-head calls, so their collectives pair up.
 """
 
 from __future__ import annotations
@@ -15,9 +20,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from nanovllm import distributed
 from nanovllm.config import EngineConfig
 from nanovllm.context import AttentionMetadata, attention_metadata
 from nanovllm.engine.cuda_graphs import DecodeGraphs
+from nanovllm.engine.executor import TPExecutor
 from nanovllm.engine.sampling_metadata import SamplingInputs
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
@@ -42,7 +49,26 @@ def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
+class StepPlan:
+    """One step's model inputs as host arrays: all that a tensor-parallel worker needs."""
+
+    longs: np.ndarray  # token ids, positions, slots, sampled rows, patch targets and sources
+    ints: np.ndarray  # cu_seqlens_q, seq_lens_k, then the block tables row by row
+    num_tokens: int
+    num_seqs: int
+    num_samples: int
+    width: int  # block-table columns
+    max_seqlen_q: int
+    num_decodes: int
+    has_patches: bool  # placeholder tokens that rank 0 fills from its last sampled tokens
+    # per prompt_logprobs entry: (first row, positions scored), for the LM-head calls
+    prompt_rows: list[tuple[int, int]] = field(default_factory=list)
+    use_graphs: bool = False
+
+
+@dataclass
 class PreparedBatch:
+    plan: StepPlan
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
     meta: AttentionMetadata
@@ -79,6 +105,18 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
         self.config, self.model_config = config, model_config
         self.device = torch.device(config.device)
+        self.executor = None  # rank 0 of several: speaks to the workers (chapter 09)
+        if config.tensor_parallel_size > 1 and distributed.tp_size() == 1:
+            if self.device.type == "cuda":
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            self.executor = TPExecutor(config, self.device)
+        try:
+            self._build(config, model_config)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _build(self, config: EngineConfig, model_config: ModelConfig) -> None:
         self.dtype = config.torch_dtype
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)  # e4m3 for "fp8"
         self.block_size = config.block_size
@@ -92,7 +130,8 @@ class ModelRunner:
         set_fused_kernels(self.model, self.backend.name == "triton")
         if self.device.type == "cuda":
             self._warm_up()  # measures peak activation memory before sizing the KV cache
-        self.num_kv_blocks = self._kv_budget_in_blocks()
+        # Every rank's cache must hold the same blocks: the smallest budget wins.
+        self.num_kv_blocks = distributed.min_over_ranks(self._kv_budget_in_blocks(), self.device)
         self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
         self.sampler = Sampler(config.seed, self.device)
         self.sampling_inputs = SamplingInputs(model_config.vocab_size, self.device, self._to_device)
@@ -104,7 +143,7 @@ class ModelRunner:
             and not config.enforce_eager
             and self.backend.name == "triton"
         ):
-            self.capture_graphs()
+            self._capture_graphs()
 
     # -- setup ---------------------------------------------------------------------------
     def _build_model(self) -> torch.nn.Module:
@@ -132,6 +171,11 @@ class ModelRunner:
 
     def capture_graphs(self) -> None:
         """(Re)capture the decode CUDA graphs, e.g. after switching fused kernels on or off."""
+        if self.executor is not None:  # the workers capture theirs alongside (all-reduces)
+            self.executor.send(("call", "_capture_graphs", ()))
+        self._capture_graphs()
+
+    def _capture_graphs(self) -> None:
         self.graphs = None  # frees the old graphs' memory pool before capturing anew
         max_blocks = -(-self.config.max_model_len // self.block_size)
         self.graphs = DecodeGraphs(
@@ -155,8 +199,9 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
 
     def kv_bytes_per_block(self) -> int:
+        """Bytes of one block of this rank's cache (its 1/tp_size of the KV heads)."""
         per_token = self.model_config.kv_bytes_per_token(self.kv_dtype.itemsize)
-        return per_token * self.block_size
+        return per_token // distributed.tp_size() * self.block_size
 
     def _kv_budget_in_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -182,7 +227,8 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         cfg = self.model_config
-        shape = (2, cfg.num_layers, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        heads = cfg.num_kv_heads // distributed.tp_size()  # this rank's share
+        shape = (2, cfg.num_layers, num_blocks, self.block_size, heads, cfg.head_dim)
         # Zeros, not empty: the torch backend reads (masked) padding slots, and garbage
         # NaNs there would survive the mask (0 * NaN = NaN).
         cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
@@ -222,38 +268,46 @@ class ModelRunner:
         padded = np.full((len(tables), width), -1, dtype=np.int64)
         for row, table in enumerate(tables):
             padded[row, : len(table)] = table
-        # Two host-to-device copies per step, one per dtype, then views into them: each
-        # separate copy costs a few microseconds of CPU time, and CPU time is step time.
         n_tok, n_seq, n_sample = len(input_ids), len(lens_k), len(sample_from)
-        longs = self._to_device(
+        plan = StepPlan(
             np.concatenate([input_ids, positions, slots, sample_from, patch_at, patch_from]),
-            torch.int64,
+            np.concatenate([cu_q, lens_k, padded.ravel()]),
+            n_tok, n_seq, n_sample, width, max(batch.num_new_tokens),
+            sum(1 for n in batch.num_new_tokens if n == 1), bool(patch_at),
+            [(first, len(scored)) for _, first, scored, _ in prompt_logprobs],
         )
-        ints = self._to_device(np.concatenate([cu_q, lens_k, padded.ravel()]), torch.int32)
-        input_ids = longs[:n_tok]
+        input_ids, positions, meta, sample_indices, patches = self._materialize(plan)
         if patch_at:  # the previous step's tokens never visit the CPU on their way here
-            patches = longs[3 * n_tok + n_sample :].view(2, -1)
             input_ids[patches[0]] = self._in_flight_tokens[patches[1]]
+        return PreparedBatch(
+            plan, input_ids, positions, meta, sample_indices, sample_seqs, logit_rows,
+            prompt_logprobs,
+        )
+
+    def _materialize(self, plan: StepPlan) -> tuple:
+        """The plan's device tensors: token ids, positions, attention metadata, sampled
+        rows, and the placeholder patches (``[2, k]``: where, from which sampled row).
+
+        Two host-to-device copies per step, one per dtype, then views into them: each
+        separate copy costs a few microseconds of CPU time, and CPU time is step time."""
+        n_tok, n_seq, n_sample = plan.num_tokens, plan.num_seqs, plan.num_samples
+        longs = self._to_device(plan.longs, torch.int64)
+        ints = self._to_device(plan.ints, torch.int32)
+        cu_q, lens_k = plan.ints[: n_seq + 1].tolist(), plan.ints[n_seq + 1 : 2 * n_seq + 1].tolist()
         meta = AttentionMetadata(
             slot_mapping=longs[2 * n_tok : 3 * n_tok],
             cu_seqlens_q=ints[: n_seq + 1],
             seq_lens_k=ints[n_seq + 1 : 2 * n_seq + 1],
-            block_tables=ints[2 * n_seq + 1 :].view(n_seq, width),
-            max_seqlen_q=max(batch.num_new_tokens),
+            block_tables=ints[2 * n_seq + 1 :].view(n_seq, plan.width),
+            max_seqlen_q=plan.max_seqlen_q,
             max_seqlen_k=max(lens_k),
-            num_decodes=sum(1 for n in batch.num_new_tokens if n == 1),
+            num_decodes=plan.num_decodes,
             cu_seqlens_q_host=cu_q,
             seq_lens_k_host=lens_k,
         )
-        return PreparedBatch(
-            input_ids,
-            longs[n_tok : 2 * n_tok],
-            meta,
-            longs[3 * n_tok : 3 * n_tok + n_sample],
-            sample_seqs,
-            logit_rows,
-            prompt_logprobs,
-        )
+        sample_indices = longs[3 * n_tok : 3 * n_tok + n_sample]
+        patches = longs[3 * n_tok + n_sample :].view(2, -1)
+        return longs[:n_tok], longs[n_tok : 2 * n_tok], meta, sample_indices, patches
 
     def _to_device(self, values: list | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         """Host values -> device tensor without making the CPU wait for the GPU.
@@ -281,24 +335,56 @@ class ModelRunner:
         ``request_errors`` can tell whose it is."""
         step = self.prepare(batch)
         sampling = self._sampling_inputs(step.sample_seqs) if step.sample_seqs else None
-        if (
+        plan = step.plan
+        plan.use_graphs = (
             self.graphs is not None
-            and step.meta.num_decodes == len(batch)
-            and self.graphs.can_run(len(batch))
-        ):
-            hidden = self.graphs.run(step.input_ids, step.positions, step.meta)
-        else:
-            with attention_metadata(step.meta):
-                hidden = self.model(step.input_ids, step.positions)
-        results = [self._prompt_logprobs(hidden, *entry) for entry in step.prompt_logprobs]
-        if not step.sample_seqs:
-            return self._to_host(InFlight(None, None, step.logit_rows), [], results)
-        logits = self.model.compute_logits(hidden[step.sample_indices]).float()
+            and plan.num_decodes == plan.num_seqs
+            and self.graphs.can_run(plan.num_seqs)
+        )
+        try:
+            if self.executor is not None:  # only now: nothing above may fail for one rank
+                self.executor.send(("step", plan))
+            hidden = self._forward(step.input_ids, step.positions, step.meta, plan)
+            results = [self._prompt_logprobs(hidden, *entry) for entry in step.prompt_logprobs]
+            if not step.sample_seqs:
+                return self._to_host(InFlight(None, None, step.logit_rows), [], results)
+            logits = self.model.compute_logits(hidden[step.sample_indices]).float()
+        except Exception:
+            if self.executor is not None:  # a lost worker explains it better than gloo does
+                self.executor.raise_if_a_worker_died()
+            raise
         tokens, logprobs = self._sample(logits, step.sample_seqs, *sampling)
         # Kept on the device: the next step reads its placeholder tokens from here.
         self._in_flight_tokens = tokens
         self._in_flight_rows = {seq.seq_id: row for row, seq in enumerate(step.sample_seqs)}
         return self._to_host(InFlight(tokens, None, step.logit_rows), logprobs, results)
+
+    def _forward(self, input_ids, positions, meta, plan: StepPlan) -> torch.Tensor:
+        """The forward pass every rank runs alike; the final hidden states."""
+        if plan.has_patches:  # only rank 0 has the sampled tokens that fill the placeholders
+            distributed.broadcast_tensor(input_ids)
+        if plan.use_graphs:
+            return self.graphs.run(input_ids, positions, meta)
+        with attention_metadata(meta):
+            return self.model(input_ids, positions)
+
+    @torch.inference_mode()
+    def follow(self, plan: StepPlan) -> None:
+        """A worker's step: rank 0's forward pass and LM-head calls on this rank's shard
+        (the logits themselves are rank 0's to sample from)."""
+        input_ids, positions, meta, sample_indices, _ = self._materialize(plan)
+        hidden = self._forward(input_ids, positions, meta, plan)
+        for first, count in plan.prompt_rows:  # the same chunks as _prompt_logprobs
+            for start in range(0, count, PROMPT_LOGPROB_ROWS):
+                stop = min(start + PROMPT_LOGPROB_ROWS, count)
+                self.model.compute_logits(hidden[first + start : first + stop])
+        if plan.num_samples:
+            self.model.compute_logits(hidden[sample_indices])
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent)."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     def _sampling_inputs(self, seqs: list[Sequence]) -> tuple:
         return self.sampling_inputs.build(seqs, (self._in_flight_tokens, self._in_flight_rows))

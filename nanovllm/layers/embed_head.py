@@ -2,17 +2,16 @@
 
 Each rank holds a contiguous slice of the vocabulary. The embedding looks up the tokens it
 owns and zeroes the rest before an all-reduce; the head computes its slice of the logits,
-which rank 0 gathers.
+which every rank gathers (the workers only take part; rank 0 samples from them).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.distributed import all_reduce, tp_rank, tp_size
+from nanovllm.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -43,9 +42,5 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.vocab_size = vocab_size
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
-        if tp_size() > 1:
-            shards = [torch.empty_like(logits) for _ in range(tp_size())]
-            dist.all_gather(shards, logits)
-            logits = torch.cat(shards, dim=-1)
+        logits = all_gather_last_dim(F.linear(hidden, self.weight))
         return logits[..., : self.vocab_size]

@@ -16,7 +16,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from nanovllm.distributed import tp_size
+from nanovllm.distributed import as_single_rank, tp_size
+from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from nanovllm.layers.quantization.fp8_checkpoint import FP8_STORAGE_DTYPES, Fp8CheckpointFormat
 
 
@@ -132,11 +133,33 @@ def _resolve(name: str, mapping: dict) -> tuple[str, object]:
 
 
 def load_dummy(model: nn.Module, seed: int = 0) -> None:
-    """Random weights of a sensible scale, for benchmarks where values do not matter."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    """Random weights of a sensible scale, for benchmarks where values do not matter.
+
+    The values are drawn for the *whole* checkpoint tensors, then loaded like a checkpoint's,
+    so every tensor-parallel rank takes its slice of the same model: TP=2 computes exactly
+    what TP=1 does (chapter 09 checks its greedy tokens against one rank on these weights).
+    """
+    with as_single_rank(), torch.device("meta"):
+        whole = type(model)(model.config)  # the unsharded shapes; meta: no memory
+    whole_modules = dict(whole.named_modules())
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
+        shape = whole.get_parameter(name).shape
         if name.endswith("norm.weight"):
-            param.data.fill_(1.0)
+            values = torch.ones(shape, device=device)
         else:
-            values = torch.randn(param.shape, generator=gen) * 0.02
-            param.data.copy_(values)
+            values = torch.randn(shape, generator=gen, device=device) * 0.02
+        module = whole_modules[name.rpartition(".")[0]]
+        for shard_id, part in _unpack(module, values):
+            _load_one(param, part, shard_id)
+
+
+def _unpack(module: nn.Module, values: torch.Tensor) -> list[tuple[object, torch.Tensor]]:
+    """A packed parameter's values split back into its checkpoint tensors (with their ids)."""
+    if isinstance(module, QKVParallelLinear):
+        q, kv = module.num_heads * module.head_dim, module.num_kv_heads * module.head_dim
+        return list(zip("qkv", values.split([q, kv, kv])))
+    if isinstance(module, MergedColumnParallelLinear):
+        return list(enumerate(values.split(module.output_sizes)))
+    return [(None, values)]

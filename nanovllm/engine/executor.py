@@ -1,0 +1,164 @@
+"""Rank 0's side of tensor parallelism: start the workers, send them every step (chapter 09).
+
+Rank 0 (the process that built the ``LLM``) runs the scheduler, the sampler and shard 0 of
+the model; ranks 1..N-1 are worker processes (``worker.py``) that hold the other shards
+and follow rank 0 step by step. Each step rank 0 broadcasts a small ``StepPlan`` (token
+ids, positions, slots, block tables: host arrays) over a gloo group; then all ranks run
+the same forward pass, whose all-reduces keep them in lockstep.
+
+Process hygiene, because leaked GPU processes are the classic failure of multi-process
+engines:
+
+- the rendezvous port is a free one, picked by the OS, unless ``MASTER_PORT`` is set;
+- workers ignore Ctrl-C (rank 0 decides when they stop) and exit by themselves when rank 0
+  disappears: their stdin is a pipe from rank 0, and its end-of-file means rank 0 is gone;
+- ``shutdown`` (also run by ``LLM.shutdown``, garbage collection and interpreter exit)
+  stops them politely, then kills what has not exited within a few seconds;
+- a worker that dies is noticed before the next step is sent, and a step in progress fails
+  when its collective loses the peer: either way rank 0 raises ``WorkerDiedError``.
+
+With ``WORLD_SIZE`` set in the environment (as torchrun and cluster launchers set it) rank 0
+starts no workers: it waits for ``python -m nanovllm.engine.worker`` processes started on
+other hosts with ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import subprocess
+import sys
+import time
+import weakref
+
+import torch
+
+from nanovllm import distributed
+from nanovllm.config import EngineConfig
+
+STARTUP_TIMEOUT = 300.0  # seconds for every worker to join (imports, CUDA init, weights)
+STOP_TIMEOUT = 10.0  # seconds a worker gets to exit before it is killed
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel worker exited: the engine cannot run another step."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _worker_env(rank: int, world_size: int, host: str, port: int) -> dict[str, str]:
+    env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+               MASTER_ADDR=host, MASTER_PORT=str(port), NANOVLLM_WORKER_STDIN_WATCH="1")
+    # NVLink multicast (NVLS) is not available on every machine: keep NCCL on plain NVLink.
+    env.setdefault("NCCL_NVLS_ENABLE", "0")
+    return env
+
+
+class TPExecutor:
+    """Starts ``tensor_parallel_size - 1`` workers and speaks for rank 0 to them."""
+
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        n = config.tensor_parallel_size
+        external = "WORLD_SIZE" in os.environ  # ranks started by a launcher, maybe elsewhere
+        if external and int(os.environ["WORLD_SIZE"]) != n:
+            raise ValueError(
+                f"WORLD_SIZE={os.environ['WORLD_SIZE']} in the environment but "
+                f"tensor_parallel_size={n}"
+            )
+        if external and int(os.environ.get("RANK", "0")) != 0:
+            raise ValueError(
+                "LLM(...) runs on rank 0 only; start the other ranks with "
+                "`python -m nanovllm.engine.worker`"
+            )
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        port = int(os.environ["MASTER_PORT"]) if "MASTER_PORT" in os.environ else free_port(host)
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        store = distributed.open_store(host, port, 0, n, STARTUP_TIMEOUT)
+        store.set("nanovllm/device_type", device.type)
+        self.workers: list[subprocess.Popen] = []
+        if not external:
+            for rank in range(1, n):
+                self.workers.append(subprocess.Popen(
+                    [sys.executable, "-m", "nanovllm.engine.worker"],
+                    env=_worker_env(rank, n, host, port), stdin=subprocess.PIPE,
+                ))
+        # Stop the workers even if nobody calls shutdown (the engine is dropped, or the
+        # interpreter exits): this holds no reference to self, only to the process list.
+        self._finalizer = weakref.finalize(self, _stop, self.workers)
+        try:
+            self._wait_for_workers(store, n)
+            distributed.init_tensor_parallel(store, 0, n, device)
+            # Workers need the config; a user's policy object stays here (only rank 0
+            # schedules) -- it may not even be importable in another process.
+            distributed.broadcast_object(dataclasses.replace(config, scheduler_policy="fcfs"))
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _wait_for_workers(self, store, n: int) -> None:
+        """Wait until every rank has checked in at the store, failing fast if one dies."""
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        keys = [f"nanovllm/ready/{rank}" for rank in range(1, n)]
+        while not store.check(keys):
+            self.check_workers()
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"tensor-parallel workers did not join within {STARTUP_TIMEOUT:.0f} s"
+                )
+            time.sleep(0.05)
+
+    def check_workers(self) -> None:
+        """Raise ``WorkerDiedError`` if a worker process has exited."""
+        for rank, proc in enumerate(self.workers, start=1):
+            code = proc.poll()
+            if code is not None:
+                how = f"signal {-code}" if code < 0 else f"exit code {code}"
+                raise WorkerDiedError(
+                    f"tensor-parallel worker rank {rank} (pid {proc.pid}) ended with {how}; "
+                    "the engine cannot continue (its traceback, if any, is above)"
+                )
+
+    def raise_if_a_worker_died(self, wait: float = 2.0) -> None:
+        """After a failed step: raise ``WorkerDiedError`` if a worker is gone or goes within
+        ``wait`` seconds (a collective can notice the lost peer before the exit is reaped)."""
+        deadline = time.monotonic() + wait
+        while True:
+            self.check_workers()
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+
+    def send(self, message: tuple) -> None:
+        """Broadcast one message to every worker (after checking they are all alive)."""
+        self.check_workers()
+        distributed.broadcast_object(message)
+
+    def shutdown(self) -> None:
+        """Stop the workers (politely, then by force) and leave the process groups."""
+        if not self._finalizer.alive:
+            return
+        if distributed.tp_size() > 1 and all(p.poll() is None for p in self.workers):
+            try:
+                distributed.broadcast_object(("stop",))
+            except RuntimeError:  # a worker went away meanwhile: killed below
+                pass
+        self._finalizer()
+        distributed.destroy_tensor_parallel()
+
+
+def _stop(workers: list[subprocess.Popen]) -> None:
+    for proc in workers:
+        if proc.stdin is not None:
+            proc.stdin.close()  # end-of-file: the worker's watch thread exits it
+    deadline = time.monotonic() + STOP_TIMEOUT
+    for proc in workers:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,70 @@
+"""A tensor-parallel worker: one shard of the model, following rank 0 (chapter 09).
+
+Rank 0 starts these itself (``executor.py``). To spread ranks over several hosts, start
+one per extra GPU with torch.distributed's environment variables, e.g. on a second host::
+
+    RANK=1 LOCAL_RANK=0 WORLD_SIZE=2 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 \\
+        python -m nanovllm.engine.worker
+
+while rank 0 runs ``LLM(model, tensor_parallel_size=2)`` with ``RANK=0 WORLD_SIZE=2``
+``MASTER_ADDR`` and ``MASTER_PORT`` set the same way. The worker receives the engine's
+configuration from rank 0 (the model folder must exist at the same path on every host),
+builds its shard, then runs each step rank 0 sends until rank 0 says stop.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+import torch
+
+from nanovllm import distributed
+from nanovllm.engine.executor import STARTUP_TIMEOUT
+
+
+def _exit_when_stdin_closes() -> None:
+    """Rank 0 holds our stdin's other end: end-of-file means it is gone (even if killed)."""
+    sys.stdin.buffer.read()
+    os._exit(1)
+
+
+def main() -> None:
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for rank 0 to handle
+    if os.environ.get("NANOVLLM_WORKER_STDIN_WATCH"):
+        threading.Thread(target=_exit_when_stdin_closes, daemon=True).start()
+    store = distributed.open_store(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, world_size,
+        STARTUP_TIMEOUT,
+    )
+    store.set(f"nanovllm/ready/{rank}", "1")
+    # Rank 0 says where the model runs: every rank must use the same backend (NCCL or gloo).
+    on_cuda = store.get("nanovllm/device_type").decode() == "cuda"
+    device = torch.device(f"cuda:{local_rank}" if on_cuda else "cpu")
+    distributed.init_tensor_parallel(store, rank, world_size, device)
+    config = distributed.broadcast_object()
+    config.device = str(device) if config.device.startswith("cuda") else "cpu"
+    if config.device == "cpu":  # share the cores with the other ranks instead of fighting
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+
+    from nanovllm.engine.model_runner import ModelRunner  # (after the group: it reads tp_size)
+    from nanovllm.models import ModelConfig
+
+    runner = ModelRunner(config, ModelConfig.from_pretrained(config.model))
+    while True:
+        message = distributed.broadcast_object()
+        if message[0] == "step":
+            runner.follow(message[1])
+        elif message[0] == "call":
+            getattr(runner, message[1])(*message[2])
+        else:  # "stop": exit without tearing NCCL down (that can hang; the OS cleans up)
+            sys.stdout.flush()
+            os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
