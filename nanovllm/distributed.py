@@ -15,6 +15,8 @@ The ranks meet through a ``TCPStore`` that rank 0 hosts, at ``MASTER_ADDR:MASTER
 from __future__ import annotations
 
 import datetime
+import logging
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,6 +29,7 @@ CONTROL_TIMEOUT = datetime.timedelta(days=365)
 # One collective of the forward pass: a peer that is gone fails it long before this.
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 
+logger = logging.getLogger("nanovllm")
 _state: dict = {"rank": 0, "size": 1, "control": None}
 
 
@@ -107,6 +110,9 @@ def init_tensor_parallel(store, rank: int, world_size: int, device: torch.device
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        # By default PyTorch's NCCL watchdog kills the process when a peer fails; rank 0 is
+        # the user's process, so it reports the lost worker instead (executor.py).
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT
     )
@@ -114,22 +120,48 @@ def init_tensor_parallel(store, rank: int, world_size: int, device: torch.device
     _state.update(rank=rank, size=world_size, control=control)
 
 
-def destroy_tensor_parallel(timeout: float = 10.0) -> bool:
-    """Leave the process groups; back to one rank. False if tearing down NCCL hung for
-    ``timeout`` seconds (it can, with peers already gone): the state is reset anyway."""
+def destroy_tensor_parallel(together: bool, timeout: float = 10.0) -> bool:
+    """Leave the process groups; back to one rank. ``together``: every rank is calling this
+    at the same time (a clean shutdown), so NCCL can tear its communicators down in step;
+    otherwise (a rank is gone) they are aborted, which needs no peer. False if that failed
+    or hung for ``timeout`` seconds: the process then cannot start another TP engine."""
     _state.update(rank=0, size=1, control=None)
     if not dist.is_initialized():
         return True
-    done = threading.Event()
+    done, failed = threading.Event(), []
 
-    def destroy() -> None:
+    def teardown() -> None:
         try:
-            dist.destroy_process_group()
+            if together or dist.get_backend() != "nccl":
+                dist.destroy_process_group()
+            else:
+                dist.distributed_c10d._abort_process_group()
+        except Exception as err:  # noqa: BLE001 -- reported below
+            failed.append(err)
         finally:
             done.set()
 
-    threading.Thread(target=destroy, daemon=True, name="nanovllm-tp-destroy").start()
-    return done.wait(timeout)
+    threading.Thread(target=teardown, daemon=True, name="nanovllm-tp-teardown").start()
+    finished = done.wait(timeout)
+    if failed or not finished:
+        logger.warning("leaving the tensor-parallel process groups %s; forgetting them",
+                       f"failed: {failed[0]!r}" if failed else f"hung for {timeout:.0f} s")
+        _forget_process_groups()
+    return finished and not failed
+
+
+def _forget_process_groups() -> None:
+    """Drop torch.distributed's registry of groups whose teardown hung (NCCL can, after
+    CUDA graphs captured its collectives), so that this process may start another TP
+    engine; the old communicators stay with the stuck thread. (torch's own abort path
+    clears the same registry; there is no public call for it.)"""
+    c10d = dist.distributed_c10d
+    c10d._update_default_pg(None)
+    for table in ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag",
+                  "tags_to_pg", "pg_coalesce_state"):
+        getattr(c10d._world, table).clear()
+    c10d._unregister_all_process_groups()
+    c10d._world.group_count = 0
 
 
 def check_divisible(num_heads: int, num_kv_heads: int, intermediate_size: int, n: int) -> None:

@@ -31,7 +31,9 @@ def tiny(tmp_path_factory) -> str:
 
 
 def tokens(path: str, prompts=PROMPTS, params=GREEDY, **options) -> list[list[int]]:
-    with LLM(path, num_kv_blocks=options.pop("num_kv_blocks", 64), **options) as llm:
+    """Greedy tokens in float32 (so that they can equal transformers' on a GPU too)."""
+    options = {"num_kv_blocks": 64, "dtype": "float32"} | options
+    with LLM(path, **options) as llm:
         return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
@@ -77,7 +79,7 @@ def test_tp2_with_preemption_prefix_caching_and_async_scheduling(tiny):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     options = dict(num_kv_blocks=14, block_size=16, enable_prefix_caching=True,
                    max_num_batched_tokens=64, async_scheduling=True)
-    with LLM(tiny, tensor_parallel_size=2, **options) as llm:
+    with LLM(tiny, tensor_parallel_size=2, dtype="float32", **options) as llm:
         two = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert llm.engine.scheduler.num_preemptions > 0  # the small cache forced some
         assert llm.engine.block_manager.prefix_hit_rate > 0
@@ -111,7 +113,7 @@ def test_smollm2_tp3_equals_transformers(smollm2_dir):
 
 def test_impossible_sizes_are_clear_errors(tiny):
     with pytest.raises(ValueError, match="does not divide the model's 4 attention heads"):
-        LLM(tiny, tensor_parallel_size=3)
+        LLM(tiny, tensor_parallel_size=3, device="cpu")
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM(tiny, tensor_parallel_size=0)
 
@@ -186,8 +188,7 @@ def test_no_orphaned_workers(tiny, tmp_path, ending):
         proc.kill()
     proc.wait(60)
     assert wait_gone(pids) == [], f"workers left running after a {ending} exit"
-    if ending == "ctrl-c":
-        assert "KeyboardInterrupt" in proc.stderr.read()
+    assert (proc.returncode == 0) == (ending == "normal"), proc.stderr.read()
 
 
 def test_ranks_started_by_a_launcher_on_loopback(tiny, tmp_path):
@@ -200,7 +201,7 @@ def test_ranks_started_by_a_launcher_on_loopback(tiny, tmp_path):
     script = tmp_path / "rank0.py"
     script.write_text(textwrap.dedent(f"""
         from nanovllm import LLM, SamplingParams
-        with LLM({tiny!r}, num_kv_blocks=64, tensor_parallel_size=2) as llm:
+        with LLM({tiny!r}, num_kv_blocks=64, tensor_parallel_size=2, dtype="float32") as llm:
             assert llm.engine.runner.executor.workers == []
             outs = llm.generate({PROMPTS!r}, SamplingParams(temperature=0, max_tokens=16,
                                 ignore_eos=True), use_tqdm=False)

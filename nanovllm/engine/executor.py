@@ -138,17 +138,28 @@ class TPExecutor:
         self.check_workers()
         distributed.broadcast_object(message)
 
+    def wait_for(self, event: torch.cuda.Event) -> None:
+        """``event.synchronize()``, except that a worker's death raises instead of hanging
+        (its peers' NCCL kernels would wait for it forever)."""
+        checked = time.monotonic()
+        while not event.query():
+            if time.monotonic() - checked > 0.1:
+                self.check_workers()
+                checked = time.monotonic()
+            time.sleep(50e-6)
+
     def shutdown(self) -> None:
         """Stop the workers (politely, then by force) and leave the process groups."""
         if not self._finalizer.alive:
             return
-        if distributed.tp_size() > 1 and all(p.poll() is None for p in self.workers):
+        together = distributed.tp_size() > 1 and all(p.poll() is None for p in self.workers)
+        if together:
             try:
                 distributed.broadcast_object(("stop",))
-            except RuntimeError:  # a worker went away meanwhile: killed below
-                pass
+            except RuntimeError:  # a worker went away meanwhile
+                together = False
+        distributed.destroy_tensor_parallel(together)  # the workers leave theirs meanwhile
         self._finalizer()
-        distributed.destroy_tensor_parallel()
 
 
 def _stop(workers: list[subprocess.Popen]) -> None:

@@ -451,8 +451,11 @@ class ModelRunner:
         """Wait for a launched step; the sampled token of each sequence, None mid-prompt."""
         if step.tokens is None:
             return [None] * len(step.logit_rows)
-        if step.done is not None:
-            step.done.synchronize()  # waits for this step only, not for any queued after it
+        if step.done is not None:  # waits for this step only, not for any queued after it
+            if self.executor is not None:
+                self.executor.wait_for(step.done)
+            else:
+                step.done.synchronize()
         tokens = step.tokens.tolist()
         return [tokens[r] if r >= 0 else None for r in step.logit_rows]
 

@@ -61,7 +61,8 @@ def main() -> None:
             runner.follow(message[1])
         elif message[0] == "call":
             getattr(runner, message[1])(*message[2])
-        else:  # "stop": exit without tearing NCCL down (that can hang; the OS cleans up)
+        else:  # "stop": leave the groups together with rank 0, then go
+            distributed.destroy_tensor_parallel(together=True)
             sys.stdout.flush()
             os._exit(0)
 
