@@ -1,0 +1,208 @@
+"""The leak check (nanovllm/engine/invariants.py, chapter 13): silent on correct runs with
+prefix caching, preemption, aborts and async scheduling; loud, naming the request and the
+blocks, on a planted leak, a double free and a corrupted prefix index. And the engine's
+autograd guard: no tensor of a step requires grad, even with autograd enabled around it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from course_ids import ENGINE
+from test_scheduler import PROMPTS, make_llm, make_tiny_llama, one_torch_thread  # noqa: F401
+
+from nanovllm import SamplingParams
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.invariants import (
+    InvariantError,
+    check_invariants,
+    check_refcounts,
+    checked_steps,
+)
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.sequence import Sequence
+
+CHECK = "13.check_refcounts"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama-invariants"))
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+# -- check_refcounts alone (reaches only the 13.check_refcounts region) ------------------
+def _held(bm: BlockManager, tokens: list[int], request_id: str) -> Sequence:
+    """A sequence given fresh blocks by hand (no other assignment's code runs)."""
+    seq = Sequence(tokens, greedy(4), request_id=request_id)
+    for _ in range(bm.blocks_needed(len(tokens))):
+        block_id, _ = bm.free_ids.popitem(last=False)
+        bm.blocks[block_id].ref_count = 1
+        seq.block_table.append(block_id)
+    return seq
+
+
+@pytest.mark.assignment(CHECK)
+def test_check_refcounts_finds_leaks_double_frees_and_free_list_errors():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    a, b = _held(bm, list(range(10)), "a"), _held(bm, list(range(5)), "b")
+    assert check_refcounts(bm, [a, b]) == []
+    # a holder the check is not told about: its blocks look leaked
+    leaked = check_refcounts(bm, [a])
+    assert len(leaked) == len(b.block_table)
+    assert all("leaked" in p and "ref_count 1 but 0" in p for p in leaked)
+    assert all(f"block {blk} " in " ".join(leaked) for blk in b.block_table)
+    # a block counted by two holders but referenced once: a double free in the making
+    c = Sequence(list(range(4)), greedy(1), request_id="c")
+    c.block_table = [a.block_table[0]]
+    [under] = check_refcounts(bm, [a, b, c])
+    assert "under-counted" in under and "'a'" in under and "'c'" in under
+    # a held block that also sits in the free list
+    bm.free_ids[a.block_table[1]] = None
+    [listed] = check_refcounts(bm, [a, b])
+    assert f"block {a.block_table[1]} " in listed and "in the free list" in listed
+    del bm.free_ids[a.block_table[1]]
+    # the same block twice in one table
+    a.block_table.append(a.block_table[0])
+    bm.blocks[a.block_table[0]].ref_count += 1
+    assert any("'a' holds block(s)" in p and "twice" in p for p in check_refcounts(bm, [a, b]))
+
+
+@pytest.mark.assignment(CHECK)
+def test_check_refcounts_changes_nothing():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    seq = _held(bm, list(range(9)), "x")
+    before = ([(b.ref_count, b.hash) for b in bm.blocks], list(bm.free_ids), seq.block_table[:])
+    check_refcounts(bm, [])
+    assert ([(b.ref_count, b.hash) for b in bm.blocks], list(bm.free_ids),
+            seq.block_table) == before
+
+
+# -- the engine: correct runs are silent ---------------------------------------------------
+@pytest.mark.assignment(*ENGINE, "06.preempt", CHECK)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_correct_runs_pass_with_prefix_caching_preemption_and_aborts(tiny, async_scheduling):
+    # 12 blocks of 16 tokens: the 8 prompts (plus repeats, for prefix hits) cannot all fit
+    llm = make_llm(tiny, num_kv_blocks=12, max_num_batched_tokens=40,
+                   async_scheduling=async_scheduling)
+    engine = llm.engine
+    with checked_steps(engine):
+        for i, prompt in enumerate(PROMPTS + PROMPTS[-3:]):
+            engine.add_request(f"r{i}", prompt, greedy(24))
+        for step in range(200):
+            engine.step()
+            if step in (3, 9):  # abort a running and a waiting request mid-flight
+                engine.abort_request([f"r{step - 2}", f"r{step + 1}"])
+            if not engine.has_unfinished_requests():
+                break
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.block_manager.prefix_hit_rate > 0
+    check_invariants(engine)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+# -- the engine: a planted leak is caught and named ----------------------------------------
+class ForgetfulScheduler(Scheduler):
+    """A scheduler change that forgets to free an aborted request's blocks."""
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if reason != "abort":
+            return super().finish(seq, reason)
+        seq.status, seq.finish_reason = type(seq.status).FINISHED, reason
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        # the bug: no self.block_manager.free(seq)
+
+
+def _leaky_engine(tiny, **options):
+    llm = make_llm(tiny, num_kv_blocks=32, **options)
+    engine = llm.engine
+    engine.scheduler = ForgetfulScheduler(engine.config, engine.block_manager)
+    return engine
+
+
+@pytest.mark.assignment(*ENGINE, CHECK)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_planted_leak_is_caught_and_named(tiny, async_scheduling):
+    engine = _leaky_engine(tiny, async_scheduling=async_scheduling)
+    for i, prompt in enumerate(PROMPTS[3:6]):
+        engine.add_request(f"req-{i}", prompt, greedy(8))
+    with checked_steps(engine):
+        for _ in range(3):
+            engine.step()
+        held = set(engine.requests["req-1"].block_table)
+        assert held
+        engine.abort_request("req-1")
+        with pytest.raises(InvariantError) as caught:
+            engine.step()
+    message = str(caught.value)
+    assert "'req-1'" in message and "abort" in message
+    assert "req-0" not in message and "req-2" not in message
+    leaked = {b for b in held if f"block {b} leaked" in message}
+    assert leaked == held, message
+
+
+@pytest.mark.assignment(*ENGINE, CHECK)
+def test_a_single_check_names_the_leak_it_saw_alive(tiny):
+    """Called by hand: the check names a leaker it saw alive at an earlier call; the blocks
+    are reported in any case."""
+    engine = _leaky_engine(tiny)
+    for i, prompt in enumerate(PROMPTS[3:6]):
+        engine.add_request(f"req-{i}", prompt, greedy(8))
+    engine.step()
+    engine.check_invariants()  # remembers who is alive
+    engine.abort_request("req-2")
+    with pytest.raises(InvariantError, match="'req-2' left the engine"):
+        engine.check_invariants()
+    with pytest.raises(InvariantError, match="leaked"):
+        engine.check_invariants()  # (no longer named: forgotten after one report)
+
+
+@pytest.mark.assignment(*ENGINE, CHECK)
+def test_corrupted_prefix_index_is_caught(tiny):
+    llm = make_llm(tiny, num_kv_blocks=32)
+    engine = llm.engine
+    engine.add_request("p", PROMPTS[-1], greedy(4))
+    engine.step()
+    check_invariants(engine)
+    bm = engine.block_manager
+    h, block_id = next(iter(bm.hash_to_block.items()))
+    bm.blocks[block_id].token_ids = tuple(reversed(bm.blocks[block_id].token_ids))
+    with pytest.raises(InvariantError, match="cached under other tokens"):
+        check_invariants(engine)
+    bm.hash_to_block[h + 1] = bm.hash_to_block.pop(h)
+    with pytest.raises(InvariantError, match="prefix index"):
+        check_invariants(engine)
+
+
+# -- autograd: the engine's guard ----------------------------------------------------------
+@pytest.mark.assignment(*ENGINE)
+def test_no_step_tensor_requires_grad(tiny):
+    """Even with autograd on around it, a step builds no graph: every module's output is
+    made under inference mode and requires no grad (chapter 13, autograd left on)."""
+    llm = make_llm(tiny, num_kv_blocks=32)
+    model = llm.engine.runner.model
+    seen: list[tuple[str, bool, bool]] = []
+
+    def record(module, args, output):
+        outs = output if isinstance(output, tuple) else (output,)
+        for t in outs:
+            if isinstance(t, torch.Tensor):
+                seen.append((type(module).__name__, t.requires_grad, t.is_inference()))
+
+    hooks = [m.register_forward_hook(record) for m in model.modules()]
+    try:
+        with torch.enable_grad():
+            outs = llm.generate(PROMPTS[:3], greedy(4), use_tqdm=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert all(len(o.token_ids) == 4 for o in outs)
+    assert seen and not any(grad for _, grad, _ in seen), [s for s in seen if s[1]]
+    assert all(inference for _, _, inference in seen)
+    # (some parameters, e.g. the norms', do require grad: inference mode is what guards)
+    assert not llm.engine.runner.kv_cache.requires_grad
