@@ -9,13 +9,15 @@
 #   make bench [BENCH_ARGS=..]  python -m nanovllm.bench
 #   make student [CHAPTERS=04]  student edition in dist/student (STUDENT_OUT=...)
 #   make grade [STUDENT=path]   grade a student's package with these tests
+#   make book                   the rendered book (HTML) in build/book/_build/html (book/)
+#   make browser                Chromium from the system packages, for tests/test_book.py
 #   make clean                  caches and build leftovers (keeps .venv and the model cache)
 #
 # Variables (override on the command line or in the environment):
 #   PYTHON      interpreter that creates the venv                    (python3)
 #   VENV        the virtual environment                               (.venv)
 #   TORCH_SPEC  torch requirement, installed first in its own step    (torch==2.13.0)
-#   EXTRAS      extras of nanovllm installed into the venv            (triton,notebooks,convert,serve,dev)
+#   EXTRAS      extras of nanovllm installed into the venv            (triton,notebooks,convert,serve,dev,book)
 #   PY          python that runs everything; PY=python3 uses an existing environment as it
 #               is and skips creating/updating the venv (e.g. the GPU machine's image)
 #   NANOVLLM_CACHE  where converted weights live                      (~/.cache/nanovllm)
@@ -27,7 +29,7 @@ SHELL := bash
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= triton,notebooks,convert,serve,dev
+EXTRAS ?= triton,notebooks,convert,serve,dev,book
 PY ?= $(VENV)/bin/python
 CH ?=
 BENCH_ARGS ?=
@@ -54,9 +56,10 @@ NOTEBOOKS = $(wildcard chapters/[0-9]*.ipynb)
 NBVAL = --nbval-sanitize-with chapters/sanitize.cfg --nbval-current-env -p no:cacheprovider
 
 .PHONY: help demo test notebooks lint test-gpu bench clean distclean weights student grade
+.PHONY: book browser
 
 help:
-	@sed -n '4,12s/^# //p' $(firstword $(MAKEFILE_LIST))
+	@sed -n '4,14s/^# //p' $(firstword $(MAKEFILE_LIST))
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -122,6 +125,24 @@ student: $(SETUP)
 
 grade: weights
 	$(PY) -m nanovllm.course.grade $(if $(STUDENT),--student $(STUDENT)) --json $(GRADE_JSON)
+
+# The book: stage book/ and the executed chapters (nanovllm/viz/book.py fills the chapter map and
+# the runtime table from the notebooks' metadata), then render the committed outputs; nothing
+# executes. tests/test_book.py builds it the same way and checks every page and figure.
+BOOK_SRC ?= build/book_src
+BOOK_OUT ?= build/book
+book: $(SETUP)
+	$(PY) -m nanovllm.viz.book --stage $(BOOK_SRC) --build $(BOOK_OUT)
+
+# Headless Chromium for the book's browser test, from the system packages (Debian: chromium).
+browser:
+	@if command -v chromium >/dev/null || command -v chromium-browser >/dev/null; then \
+	  echo "chromium is installed"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null; \
+	else \
+	  echo "install Chromium with your system's package manager (root and apt-get are needed here)" >&2; exit 1; \
+	fi
 
 clean:
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -249,34 +249,14 @@ for out in outputs[:2]:
 # notion of memory at all (the block manager, chapter 04).
 
 # %% [markdown]
-# ## 0.7 The map of the book
+# ## 0.7 The map of the book and of the package
 #
 # Each chapter builds one component small, in the notebook, then shows the package's version,
-# checks that the two agree, switches the component on in the engine and measures it. The package
-# module each chapter grows:
-#
-# | Chapter | Topic | Package modules it grows (under `nanovllm/`) |
-# |---|---|---|
-# | 00 | the tour (this chapter) | `llm.py`, `config.py`, `outputs.py`, `inputs.py`, `tokenizer.py`, `engine/output_processor.py` |
-# | 01 | the model: Llama/Qwen3 forward, weight loading, from logits to tokens | `models/llama.py`, `models/qwen3.py`, `layers/norm.py`, `layers/rotary.py`, `layers/linear.py`, `layers/activation.py`, `layers/embed_head.py`, `layers/sampler.py`, `sampling_params.py`, `weights/` |
-# | 02 | attention: naive, masked, online softmax, varlen packing, Triton prefill kernel | `layers/attention.py`, `layers/torch_attention.py`, `kernels/prefill_attention.py` |
-# | 03 | the KV cache: prefill vs decode, bytes per token | `engine/model_runner.py` (the cache tensor), `models/model_config.py` |
-# | 04 | the block manager: blocks, block tables, slot mapping, prefix caching | `engine/block_manager.py`, `engine/sequence.py`, `context.py` |
-# | 05 | the paged attention kernel: Triton paged decode, store_kv | `kernels/decode_attention.py`, `kernels/store_kv.py` |
-# | 06 | the scheduler: continuous batching, chunked prefill, preemption, policies | `engine/scheduler.py`, `engine/policies.py`, `engine/llm_engine.py` |
-# | 07 | CUDA graphs: launch overhead, capture and replay, buckets | `engine/cuda_graphs.py` |
-# | 08 | quantization: int8 weight-only, fp8 weights and KV cache | `layers/quantization/`, `kernels/int8_gemm.py` |
-# | 09 | tensor parallelism: column/row parallel layers, all-reduce | `distributed.py`, `layers/linear.py`, `layers/embed_head.py` |
-# | 10 | serving: async engine, OpenAI-compatible server, streaming | `engine/async_engine.py`, `serve/` |
-# | 11 | performance: benchmark against transformers, roofline, fused kernels, async scheduling, profile, tuning, long context | `bench.py`, `profiling.py`, `tuning.py`, `kernels/rmsnorm.py`, `kernels/rope.py`, `kernels/activation.py`, `layers/fused.py`, `configs/`, `layers/rotary.py` (RoPE scaling) |
-
-# %% [markdown]
-# ## 0.8 The map of the package
-#
-# Every module's docstring names the chapter that teaches it. The cell below walks the installed
-# package and prints each module with its length in lines and the chapters its docstring names.
-# (The package grows while you read the book, so these counts change; nbval does not compare
-# them.)
+# checks that the two agree, switches the component on in the engine and measures it. Every
+# module's docstring names the chapter that teaches it, so the map below is not typed: the cell
+# reads the chapter titles from `chapters/NN_*.py` and, for each chapter, lists the package
+# modules whose docstrings name it (a module can belong to several chapters). A chapter that
+# modules name but that has no notebook yet is marked as not written yet.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -284,17 +264,39 @@ import ast
 import re
 
 
-def chapters_named_in(path: Path) -> str:
-    """The chapter numbers a module's docstring mentions, e.g. '04, 06'."""
+def chapters_named_in(path: Path) -> list[str]:
+    """The chapter numbers a module's docstring mentions, e.g. ['04', '06']."""
     doc = ast.get_docstring(ast.parse(path.read_text())) or ""
     found = []
     for match in re.finditer(r"chapters?\s+((?:\d\d(?:,\s*|\s+and\s+|\s*-\s*)?)+)", doc, re.I):
         found += re.findall(r"\d\d", match.group(1))
-    return ", ".join(sorted(set(found)))
+    return sorted(set(found))
 
 
 root = Path(nanovllm.__file__).parent
 modules = sorted(root.rglob("*.py"))
+titles = {}
+for source in sorted(Path(".").glob("[0-9][0-9]_*.py")):  # the kernel runs in chapters/
+    heading = re.search(r"^# # Chapter \d\d — (.+)$", source.read_text(), re.M)
+    titles[source.name[:2]] = heading.group(1) if heading else source.stem[3:]
+by_chapter = {}
+for path in modules:
+    for chapter in chapters_named_in(path):
+        by_chapter.setdefault(chapter, []).append(str(path.relative_to(root)))
+rows = ["| Chapter | Topic | Modules whose docstring names it (under `nanovllm/`) |", "|---|---|---|"]
+for chapter in sorted(set(titles) | set(by_chapter)):
+    topic = titles.get(chapter, "*not written yet*")
+    names = ", ".join(f"`{m.removesuffix('/__init__.py')}`" for m in by_chapter.get(chapter, []))
+    rows.append(f"| {chapter} | {topic} | {names or '-'} |")
+assert all((root / m).exists() for ms in by_chapter.values() for m in ms)
+display(Markdown("\n".join(rows)))
+
+# %% [markdown]
+# The same walk, module by module: each with its length in lines and the chapters its docstring
+# names. (The counts change whenever the package does, so nbval does not compare them.)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
 total, shown = 0, set()
 print(f"{'nanovllm/':<36} {'lines':>5}   chapters")
 for path in modules:
@@ -306,7 +308,7 @@ for path in modules:
             print("  " * depth + folder[-1] + "/")
     lines = len(path.read_text().splitlines())
     total += lines
-    print(f"{'  ' * len(rel.parts) + rel.name:<36} {lines:5d}   {chapters_named_in(path)}")
+    print(f"{'  ' * len(rel.parts) + rel.name:<36} {lines:5d}   {', '.join(chapters_named_in(path))}")
 print(f"{'total':<36} {total:5d} lines in {len(modules)} modules")
 
 # %% [markdown]
@@ -370,7 +372,7 @@ print("the last step's report:", reports)
 # block. Memory is handed out a block at a time, as it is needed.
 
 # %% [markdown]
-# ## 0.9 Peek inside
+# ## 0.8 Peek inside
 #
 # Every chat prompt begins with the same default system message. The engine notices: when a prompt
 # starts with tokens whose keys and values are still in the KV cache from an earlier request, it
@@ -464,7 +466,7 @@ for name in ["dtype", "block_size", "max_num_seqs", "max_num_batched_tokens",
     print(f"{name:<24} {getattr(llm.config, name)!r}")
 
 # %% [markdown]
-# ## 0.10 The effect that makes engines worth writing: batching
+# ## 0.9 The effect that makes engines worth writing: batching
 #
 # How long does one decode step take? For every new token the model multiplies the token's hidden
 # vector by every weight matrix once: about 2 floating-point operations per parameter, while every
@@ -487,8 +489,11 @@ print(f"one decode step of one sequence: {flops_per_token / 1e9:.2f} GFLOP on "
 # exactly 32 new tokens (`ignore_eos=True`), step the engine until all are done and time every
 # step. The first step computes the prompts; the other 31 are decode steps with all B sequences.
 # We report two throughputs in output tokens per second: *end to end* (all B·32 tokens over the
-# wall time), and *decode* (B tokens per decode step, using the median step time, which is robust
-# to a busy machine). Sizes are small so that this runs in seconds on a laptop CPU.
+# wall time), and *decode* (B tokens per decode step, using the **fastest** of the 31 decode
+# steps). Other programs on the machine can only add time to a step, never remove it: with the
+# median, a busy machine once showed a step for 2 requests slower than a step for 4, which says
+# nothing about batching. The fastest step is the cost of the step itself. Sizes are small so
+# that this runs in seconds on a laptop CPU.
 
 # %%
 NEW_TOKENS = 32
@@ -511,8 +516,9 @@ def measure_throughput(engine, num_requests: int, new_tokens: int = NEW_TOKENS) 
         "requests": num_requests,
         "steps": len(step_times),
         "end_to_end_tok_s": num_requests * new_tokens / wall,
-        "decode_step_s": statistics.median(step_times[1:]),
-        "decode_tok_s": num_requests / statistics.median(step_times[1:]),
+        "decode_step_s": min(step_times[1:]),  # the other programs only add time
+        "decode_tok_s": num_requests / min(step_times[1:]),
+        "median_step_s": statistics.median(step_times[1:]),
     }
 
 
@@ -523,22 +529,23 @@ print("steps per run:", [r["steps"] for r in results])
 # %% [markdown]
 # Every run took 32 steps, one per output token, whatever the number of requests: the requests
 # really ran side by side. The measured throughputs (machine-dependent, so nbval does not check
-# them):
+# them), with the median step beside the fastest to show how busy the machine was:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 base = results[0]
-print(f"{'requests':>8} {'decode step ms':>15} {'decode tok/s':>13} {'speedup vs 1':>13} "
-      f"{'end to end tok/s':>17}")
+print(f"{'requests':>8} {'fastest step ms':>16} {'median ms':>10} {'decode tok/s':>13} "
+      f"{'speedup vs 1':>13} {'end to end tok/s':>17}")
 for r in results:
-    print(f"{r['requests']:>8} {1000 * r['decode_step_s']:>15.1f} {r['decode_tok_s']:>13.1f} "
-          f"{r['decode_tok_s'] / base['decode_tok_s']:>12.1f}x {r['end_to_end_tok_s']:>17.1f}")
+    print(f"{r['requests']:>8} {1000 * r['decode_step_s']:>16.1f} {1000 * r['median_step_s']:>10.1f} "
+          f"{r['decode_tok_s']:>13.1f} {r['decode_tok_s'] / base['decode_tok_s']:>12.1f}x "
+          f"{r['end_to_end_tok_s']:>17.1f}")
 
 # %%
 use_book_style()
 fig, ax = plt.subplots()
 xs = [r["requests"] for r in results]
-ax.plot(xs, [r["decode_tok_s"] for r in results], "o-", label="decode steps (median)")
+ax.plot(xs, [r["decode_tok_s"] for r in results], "o-", label="decode steps (fastest)")
 ax.plot(xs, [r["end_to_end_tok_s"] for r in results], "s--", label="end to end")
 ax.plot(xs, [base["decode_tok_s"] * b for b in xs], ":", color="grey", label="ideal: B x one request")
 ax.set_xscale("log", base=2)

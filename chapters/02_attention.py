@@ -427,7 +427,7 @@ print(f"SmolLM2 KV cache per token in bf16: {c.num_kv_heads * kv_bytes:,d} bytes
 # longest wastes work, so the engine **packs** them: the new tokens of all sequences are laid
 # end to end in one `[total_tokens, heads, head_dim]` tensor, and a vector of cumulative
 # lengths, `cu_seqlens` (a 0 followed by the running sums of the lengths), says where each
-# sequence starts: sequence $b$ occupies rows `cu_seqlens[b] : cu_seqlens[b+1]`.
+# sequence starts: sequence $j$ occupies rows `cu_seqlens[j] : cu_seqlens[j+1]`.
 # Attention must never mix sequences, so over the packed tokens the allowed (query, key)
 # pairs form a block-diagonal of causal triangles.
 #
@@ -603,14 +603,14 @@ check("paged_attention vs float64 reference", out, ref, 1e-5)
 # once *per query tile*, and with causal masking only up to the diagonal. For one head of
 # $L$ tokens:
 #
-# $$\text{naive} \approx 4Ld\,b + 4L^2 b, \qquad
-#   \text{tiled} \approx 2Ld\,b + 2d\,b \sum_{t} \min\big((t+1)B_M, L\big)
-#   \approx 2Ld\,b + \frac{L^2 d\,b}{B_M},$$
+# $$\text{naive} \approx 4Ld\,e + 4L^2 e, \qquad
+#   \text{tiled} \approx 2Ld\,e + 2d\,e \sum_{t} \min\big((t+1)B_M, L\big)
+#   \approx 2Ld\,e + \frac{L^2 d\,e}{B_M},$$
 #
-# with $b$ bytes per element. The quadratic term shrinks by about $4B_M/d$, and more
+# with $e$ bytes per element. The quadratic term shrinks by about $4B_M/d$, and more
 # importantly no $L\times L$ matrix is ever stored: the extra memory of the tiled kernel is a
 # tile of scores in registers. (On a GPU the repeated K/V reads mostly hit the L2 cache, so
-# the tiled kernel's true HBM traffic is closer still to the minimum $4Ld\,b$.)
+# the tiled kernel's true HBM traffic is closer still to the minimum $4Ld\,e$.)
 
 # %%
 def naive_traffic(L: int, d: int, b: int = 2) -> int:

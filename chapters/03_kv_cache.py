@@ -341,25 +341,26 @@ print("layer 0 k_cache is a view into it:",
 # Count the multiply–adds of one forward pass (2 FLOPs each). Per token and layer, the weight
 # matrices cost
 #
-# $$F_{\text{proj}} = 2\,\bigl[\,h\,(H + 2H_{kv})\,d \;+\; H d\,h \;+\; 3\,h\,I\,\bigr]$$
+# $$F_{\text{proj}} = 2\,\bigl[\,D\,(H + 2H_{kv})\,d \;+\; H d\,D \;+\; 3\,D\,I\,\bigr]$$
 #
-# (packed q/k/v, output projection, gate/up and down of the MLP; $h$ hidden size, $H$ and
+# (packed q/k/v, output projection, gate/up and down of the MLP; $D$ hidden size, $H$ and
 # $H_{kv}$ query and key/value heads, $d$ head dimension, $I$ MLP width). Attention of a query at
 # position $t$ over its $t+1$ keys costs $4 H d\,(t+1)$ per layer: $2Hd(t+1)$ for the scores
-# $QK^\top$ and as much for the weighted sum of values. The LM head, $2\,h\,V$ FLOPs, runs once per
-# step, for the last position only. With $L$ layers, producing the token after a sequence of $n$
+# $QK^\top$ and as much for the weighted sum of values. The LM head, $2\,D\,V$ FLOPs, runs once per
+# step, for the last position only. With $N_{\text{layers}}$ layers (the book's notation keeps $L$ for a
+# sequence length), producing the token after a sequence of $n$
 # tokens costs
 #
-# $$\text{without a cache:}\quad C_{\text{none}}(n) = n\,L F_{\text{proj}} + 4HdL\sum_{t=1}^{n} t
-#   + 2hV = n\,L F_{\text{proj}} + 2HdL\,n(n+1) + 2hV,$$
+# $$\text{without a cache:}\quad C_{\text{none}}(n) = n\,N_{\text{layers}} F_{\text{proj}} + 4Hd\,N_{\text{layers}}\sum_{t=1}^{n} t
+#   + 2DV = n\,N_{\text{layers}} F_{\text{proj}} + 2Hd\,N_{\text{layers}}\,n(n+1) + 2DV,$$
 #
-# $$\text{with a cache:}\quad C_{\text{cache}}(n) = L F_{\text{proj}} + 4HdL\,n + 2hV .$$
+# $$\text{with a cache:}\quad C_{\text{cache}}(n) = N_{\text{layers}} F_{\text{proj}} + 4Hd\,N_{\text{layers}}\,n + 2DV .$$
 #
 # Without a cache each step recomputes the whole prefix: the step cost grows linearly in $n$,
 # so generating $N$ tokens costs $\sum_n C_{\text{none}}(n) = O(N^2)$ projections (plus an
 # $O(N^3)$ attention term). With the cache each step computes one token's projections, $O(N)$
-# in total; what still grows is attention over the cached keys, $4HdL$ per token of context.
-# For SmolLM2 that stays below $L F_{\text{proj}}$ up to a few thousand tokens (the exact
+# in total; what still grows is attention over the cached keys, $4Hd\,N_{\text{layers}}$ per token of context.
+# For SmolLM2 that stays below $N_{\text{layers}} F_{\text{proj}}$ up to a few thousand tokens (the exact
 # crossover is printed below), and it is mostly *memory traffic*: every decode step reads the
 # whole cache of its sequence (chapter 05).
 
@@ -519,7 +520,9 @@ plt.show()
 # The cache trades compute for memory. Every token keeps, in every layer, one key and one value
 # vector per key/value head:
 #
-# $$\text{KV bytes per token} = 2 \times L \times H_{kv} \times d \times \text{bytes per element}.$$
+# $$\text{KV bytes per token} = 2 \times N_{\text{layers}} \times H_{kv} \times d \times e,$$
+#
+# with $e$ bytes per element.
 #
 # The factor 2 is K and V. The query heads do not appear: with grouped-query attention
 # (chapter 01) only the $H_{kv}$ shared heads are cached, which is why models adopted it. The
@@ -1038,7 +1041,7 @@ print("Exercise 4 passed: paged_waste matches frozen values and a block-by-block
 #   ($O(N^2)$ for $N$ tokens); with it, one token's worth ($O(N)$), plus attention over the
 #   cache. Measured on SmolLM2, time per token grows with length without a cache and stays flat
 #   with one; both produce the same greedy tokens, and so does the engine's paged cache.
-# - The price is memory: $2 L H_{kv} d$ elements per token (`ModelConfig.kv_bytes_per_token`),
+# - The price is memory: $2 N_{\text{layers}} H_{kv} d$ elements per token (`ModelConfig.kv_bytes_per_token`),
 #   e.g. 128 KiB per token for a Llama-3-8B shape in bf16. For small models the cache, not the
 #   weights, fills the GPU. The model runner turns its byte budget into whole blocks of
 #   `block_size` tokens and allocates one tensor for all of them.

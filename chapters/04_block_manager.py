@@ -32,7 +32,8 @@
 # 1. open the engine during a real run and draw its blocks, block tables and slot mapping;
 # 2. build a small block manager (about 30 lines) and check that it hands out exactly the same
 #    blocks as the package's on a random sequence of operations;
-# 3. add prefix caching: chained hashes, a guard against hash collisions, reference counts,
+# 3. add prefix caching: chained hashes, a guard that compares the whole chain of tokens so that
+#    a hash collision cannot serve wrong keys, reference counts,
 #    least-recently-used recycling of freed blocks, and two rules that are easy to miss (the
 #    last prompt token is always computed; generated tokens are cacheable too);
 # 4. switch prefix caching on and off in the engine on a shared-system-prompt workload and
@@ -94,19 +95,20 @@ print("device:", device)
 # The KV cache of the whole engine is one big tensor, allocated once at start-up and cut into
 # `num_blocks` blocks of `block_size` token slots each (the package's shape is
 # `[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]`: keys and values, every
-# layer, every block; block $b$ means the same slots in every layer). A request owns a list of block ids, its **block table**. Token number $p$
-# of a request (its *position*) lives in the block table's entry $\lfloor p / B \rfloor$, at row
-# $p \bmod B$ of that block, where $B$ is the block size. Numbering all slots of the cache
-# $0, 1, \dots, \text{num\_blocks}\cdot B - 1$, the token's **slot** is
+# layer, every block; block $j$ means the same slots in every layer). A request owns a list of block ids, its **block table**. Token number $p$
+# of a request (its *position*) lives in the block table's entry $\lfloor p / b \rfloor$, at row
+# $p \bmod b$ of that block, where $b$ is the block size (`block_size`; $B$ is kept for the batch
+# size, as in the book's notation page). Numbering all slots of the cache
+# $0, 1, \dots, \text{num\_blocks}\cdot b - 1$, the token's **slot** is
 #
-# $$\text{slot}(p) = \text{block\_table}[\lfloor p / B \rfloor]\cdot B + (p \bmod B).$$
+# $$\text{slot}(p) = \text{block\_table}[\lfloor p / b \rfloor]\cdot b + (p \bmod b).$$
 #
 # Each engine step, the model runner computes the slot of every *new* token (the **slot
 # mapping**), so that every attention layer can write the new keys and values with one scatter,
 # and hands each request's block table to the attention kernel, which reads the old ones from
 # wherever they are. The blocks of one request can be anywhere in the cache, in any order.
 #
-# A request of $n$ tokens holds $\lceil n/B \rceil$ blocks, so it wastes fewer than $B$ slots,
+# A request of $n$ tokens holds $\lceil n/b \rceil$ blocks, so it wastes fewer than $b$ slots,
 # however long it gets, and it takes a new block only when its last one is full. Nothing is
 # reserved for tokens that may never come.
 #
@@ -341,7 +343,7 @@ print("outputs:", {name: len(s.output_token_ids) for name, s in seqs.items()},
 #
 # Without prefix caching, the bookkeeping is a free list and one table per request:
 #
-# - `allocate(seq, n)`: make room for `n` more tokens; take $\lceil (\text{held}+n)/B\rceil -
+# - `allocate(seq, n)`: make room for `n` more tokens; take $\lceil (\text{held}+n)/b\rceil -
 #   \text{len(table)}$ blocks from the free list, or refuse (change nothing) if there are not
 #   enough. The scheduler calls it for a prompt (`n` = prompt length) and for every decode step
 #   (`n` = 1: a new block only every 16th step).
@@ -479,8 +481,8 @@ show_source(ModelRunner.prepare)
 #
 # *When* exactly are two blocks' keys and values the same? A token's key in layer 0 depends only
 # on the token and its position. In every later layer it depends on the token's hidden state,
-# which attention has already mixed with **all earlier tokens**. So block $i$ of request $a$ can
-# stand in for block $i$ of request $b$ only if the two requests agree on *every token up to the
+# which attention has already mixed with **all earlier tokens**. So block $i$ of request a can
+# stand in for block $i$ of request b only if the two requests agree on *every token up to the
 # end of block $i$*, not just on the block's own 16 tokens.
 #
 # We can see this in the engine's cache. Two prompts share their last 16 tokens (one full block,
@@ -550,29 +552,51 @@ print("prompt c vs prompt a:", [x == y for x, y in zip(block_hashes(prompt_c), h
 # chaining, nothing after a miss can match.
 #
 # A 64-bit hash can collide: two different prefixes with the same hash. With $n$ distinct blocks
-# ever cached the chance of any collision is about $n^2 / 2^{65}$: negligible, but a collision
-# would hand a request someone else's keys and values, silently. So each cached block also
-# remembers its own token ids, and a hit counts only if they match too. Here is the lookup, with
-# the guard as an option so that we can watch it work:
+# ever cached the chance of any collision is about $n^2 / 2^{65}$: negligible by accident, but a
+# collision would hand a request someone else's keys and values, silently, so the lookup should
+# not have to trust the hash. A first guard: each cached block remembers its own token ids, and a
+# hit counts only if they match. We will see that this is **not enough**, and what is. Here is
+# the lookup, with the guard as an option so that we can watch each version work. Each entry of
+# our dictionary is `(block id, the block's tokens, the id of the block it continues)`:
 
 # %%
-def lookup(tokens, cache, hash_fn=chain_hash, check_tokens=True):
-    """Block ids of the longest cached prefix of `tokens`; cache: hash -> (block id, tokens)."""
-    found, parent = [], None
+def lookup(tokens, cache, hash_fn=chain_hash, guard="chain"):
+    """Block ids of the longest cached prefix of `tokens`.
+
+    cache: hash -> (block id, tokens, parent block id or None). guard: "none" trusts the hash,
+    "tokens" compares the block's own tokens, "chain" also requires that the cached block
+    continues the block accepted just before it, so by induction the whole prefix matches."""
+    found, key = [], None
     for i in range((len(tokens) - 1) // BS):  # why "- 1": section 3.4
         block = tuple(tokens[i * BS:(i + 1) * BS])
-        parent = hash_fn(parent, block)
-        hit = cache.get(parent)
-        if hit is None or (check_tokens and hit[1] != block):
+        key = hash_fn(key, block)
+        hit = cache.get(key)
+        if hit is None:
             break
-        found.append(hit[0])
+        block_id, cached_tokens, parent = hit
+        if guard in ("tokens", "chain") and cached_tokens != block:
+            break
+        if guard == "chain" and parent != (found[-1] if found else None):
+            break
+        found.append(block_id)
     return found
 
 
+def register(cache, tokens, block_ids, hash_fn=chain_hash):
+    """Index the full blocks of a computed prompt held in `block_ids` (first come, first served:
+    a key that is taken stays with its first block)."""
+    key = None
+    for i, block_id in enumerate(block_ids[: len(tokens) // BS]):
+        block = tuple(tokens[i * BS:(i + 1) * BS])
+        key = hash_fn(key, block)
+        cache.setdefault(key, (block_id, block, block_ids[i - 1] if i else None))
+
+
 # %% [markdown]
-# To see the guard catch something we need a collision, and xxHash will not give us one. So we
-# plug in a deliberately weak hash, the sum of the tokens (plus the parent), under which any
-# reordering of a block collides:
+# To see a guard catch something we need collisions, and xxHash will not give us one. So we plug
+# in a deliberately weak hash, the sum of the tokens (plus 31 times the parent), under which any
+# reordering of a block collides. First collision: a query whose block 0 is a cached block 0
+# reversed. Comparing the block's tokens catches it:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -581,20 +605,92 @@ def weak_hash(parent, block):
 
 
 cached_tokens = list(range(1, 17)) + list(range(100, 116))  # two blocks, cached as blocks 5, 9
-weak_cache = {h: (b, tuple(cached_tokens[i * BS:(i + 1) * BS]))
-              for i, (h, b) in enumerate(zip(block_hashes(cached_tokens, weak_hash), [5, 9]))}
+weak_cache = {}
+register(weak_cache, cached_tokens, [5, 9], weak_hash)
 query = list(range(16, 0, -1)) + list(range(100, 116)) + [1]  # block 0 reversed: same sum
 print("weak hashes collide:", block_hashes(query, weak_hash)[:2] == block_hashes(cached_tokens, weak_hash))
-print("lookup without the guard:", lookup(query, weak_cache, weak_hash, check_tokens=False),
+print("lookup trusting the hash:", lookup(query, weak_cache, weak_hash, guard="none"),
       " <- wrong: these blocks hold other tokens")
-print("lookup with the guard:   ", lookup(query, weak_cache, weak_hash))
-print("the cached prompt itself: ", lookup(cached_tokens + [1], weak_cache, weak_hash))
+print("lookup comparing tokens: ", lookup(query, weak_cache, weak_hash, guard="tokens"))
+print("the cached prompt itself:", lookup(cached_tokens + [1], weak_cache, weak_hash, guard="tokens"))
 
 # %% [markdown]
+# Second collision, the one the token guard misses. Request c computed blocks 5 (tokens 1..16)
+# and 6. Request a's block 0 is c's block 0 reversed: its key collides with block 5's, so it
+# stays unregistered (the key is taken), but a's block 1 (tokens 100..115, in block 8) *is*
+# registered, under a key that chains from the colliding one. Now request b arrives: c's block 0,
+# then a's block 1's tokens. Its block 0 legitimately hits block 5; its block 1's key equals
+# block 8's key, and block 8 holds exactly b's tokens, but computed after *a's* prefix, and
+# beyond layer 0 its keys and values are a's (section 3.1 measured how different they are).
+
+# %%
+# NBVAL_CHECK_OUTPUT
+weak_cache = {}
+c_tokens = list(range(1, 17)) + [7] * 16 + [0]
+a_tokens = list(range(16, 0, -1)) + list(range(100, 116)) + [0]
+register(weak_cache, c_tokens, [5, 6], weak_hash)
+register(weak_cache, a_tokens, [7, 8], weak_hash)  # block 7 collides with 5: not registered
+b_tokens = list(range(1, 17)) + list(range(100, 116)) + [0]
+print("registered blocks:", sorted(entry[0] for entry in weak_cache.values()))
+print("lookup comparing tokens:    ", lookup(b_tokens, weak_cache, weak_hash, guard="tokens"),
+      " <- wrong: block 8 was computed after request a's prefix")
+print("lookup comparing the chain: ", lookup(b_tokens, weak_cache, weak_hash, guard="chain"))
+
+# %% [markdown]
+# The fix is to compare the whole chain: a cached block is accepted only if its tokens match
+# **and** it continues the block accepted just before it. By induction, every token of the prefix
+# then matches, and a hash collision can only cost a hit, never serve another prefix's keys and
+# values. Comparing the *parent's hash* instead of the parent itself would not do: under the weak
+# hash, a's block 7 and c's block 5 have the same hash.
+#
+# The package does this in `cached_prefix` (an earlier version compared only the block's own
+# tokens: the bug above). Block ids are recycled, so a block
+# remembers not its parent's id but its parent's **serial**: a number given to every
+# registration and never reused, which dies when the parent is recycled. A block registers only
+# if its own parent is findable (`_chain_serial`); a free block that no lookup can accept (a stale
+# child of a recycled parent) gives its key up to a new registration. The package, with the weak
+# hash swapped in, on the same three requests:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from nanovllm.engine import block_manager as block_manager_module
+
+
+def computed(pkg, tokens):
+    """Admit a prompt with the cache's help and compute it (`allocate` registers its blocks)."""
+    seq = Sequence(tokens, GREEDY)
+    cached = pkg.cached_prefix(seq)
+    assert pkg.allocate(seq, seq.num_tokens - len(cached) * BS, cached)
+    seq.num_computed_tokens = seq.num_tokens
+    return seq
+
+
+block_manager_module.chain_hash = weak_hash  # every hash the package computes is now weak
+try:
+    pkg = BlockManager(16, BS)
+    c, a = computed(pkg, c_tokens), computed(pkg, a_tokens)
+    b = Sequence(b_tokens, GREEDY)
+    print("c's blocks:", c.block_table, "| a's blocks:", a.block_table)
+    print("registered:", sorted(pkg.hash_to_block.values()), "(a's block 1 continues no findable prefix)")
+    print("package cached_prefix(b):", pkg.cached_prefix(b), "= c's block 0 only")
+finally:
+    block_manager_module.chain_hash = chain_hash
+
+# %% [markdown]
+# What remains. Correctness no longer rests on the hash, but the hash still decides which block
+# is *found*: a collision makes the later prefix miss (its key is taken), costing a recompute.
+# xxHash-64 is fast and not cryptographic: a client who chooses prompts can construct
+# collisions, and in a multi-tenant server could use them to deny others cache hits, or to learn
+# from timing whether someone else's prompt is cached. vLLM lets the operator choose SHA-256 for
+# block hashes (`--prefix-caching-hash-algo sha256`) and can salt the hashes per tenant
+# (`cache_salt`) so that tenants never share blocks; nanovllm has neither. The whole-chain check
+# costs each cached block its `block_size` token ids and two integers.
+#
 # Now our lookup against the package's `cached_prefix`, on a package `BlockManager` with a real
 # history: random requests, many sharing prefixes (drawn from a few "templates"), allocated,
 # computed, registered, finished, and, since the cache is small, partly recycled.
-# `bm.hash_to_block` and each block's `token_ids` are the package's dictionary and guard.
+# `bm.hash_to_block` and each block's `token_ids`, `serial` and `parent` are the package's
+# dictionary and guard; `cache_of` turns them into our dictionary's entries.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -620,10 +716,19 @@ def random_history(seed, num_blocks=40, num_requests=60):
     return pkg, random_prompt
 
 
+def cache_of(pkg):
+    """The package's index as our dictionary: a parent serial becomes the parent's block id
+    (-1 when that registration is gone: no lookup can accept the block)."""
+    by_serial = {pkg.blocks[b].serial: b for b in pkg.hash_to_block.values()}
+    return {h: (b, pkg.blocks[b].token_ids,
+                None if pkg.blocks[b].parent is None else by_serial.get(pkg.blocks[b].parent, -1))
+            for h, b in pkg.hash_to_block.items()}
+
+
 agree, hits = 0, 0
 for seed in range(5):
     pkg, random_prompt = random_history(seed)
-    cache = {h: (b, pkg.blocks[b].token_ids) for h, b in pkg.hash_to_block.items()}
+    cache = cache_of(pkg)
     for _ in range(100):
         seq = Sequence(random_prompt(), GREEDY)
         ours, theirs = lookup(seq.token_ids, cache), pkg.cached_prefix(seq)
@@ -700,7 +805,7 @@ print("s3 admitted:        ", s3.block_table, "| adopted", hit, "|", state(pkg))
 #
 # ### 3.4 The last prompt token is always computed
 #
-# Look back at `lookup`: it only considers the first $\lfloor (n-1)/B \rfloor$ full blocks of an
+# Look back at `lookup`: it only considers the first $\lfloor (n-1)/b \rfloor$ full blocks of an
 # $n$-token prompt. The engine must produce logits for the *last* prompt token to sample the
 # first new token, and logits come only from computing that token. So even when a whole prompt is
 # cached, at least one token must be computed. Since sharing works in whole blocks, the package
@@ -1247,18 +1352,21 @@ print(f"Exercise 3 passed: free_blocks_taken matches a free-list model on 300 ad
 # ## Summary
 #
 # - The KV cache is one tensor cut into **blocks** of `block_size` tokens. A request owns a
-#   **block table**; token $p$ lives in slot `table[p // B] * B + p % B`. Each step,
+#   **block table**; token $p$ lives in slot `table[p // b] * b + p % b`. Each step,
 #   `ModelRunner.prepare` computes the **slot mapping** of the new tokens (where attention writes
 #   their keys and values) and pads the tables into one tensor (where attention reads), and
 #   passes both through `AttentionMetadata` (`nanovllm/context.py`).
 # - Without sharing, the block manager is a free list and a table per request: `allocate` takes
-#   $\lceil n/B\rceil$ minus what the request holds, `free` returns the table. Our 30-line version
+#   $\lceil n/b\rceil$ minus what the request holds, `free` returns the table. Our 30-line version
 #   and `nanovllm/engine/block_manager.py` agreed on every table over random operation sequences.
 # - **Prefix caching** names each full block by a **chained hash** of its tokens and its parent's
 #   hash, because a token's keys beyond layer 0 depend on everything before it (the engine's own
 #   cache showed layer-0 keys equal and deeper keys different for the same block after different
-#   prefixes). Each cached block also keeps its **token ids**, so a hash collision can never serve
-#   wrong keys.
+#   prefixes). A hash only finds a candidate: a cached block is adopted only if its **token ids**
+#   match and it **continues the block adopted before it** (a never-reused serial), so the whole
+#   prefix is compared and a collision costs a hit, never wrong keys. Comparing the block's own
+#   tokens alone was not enough: under a weak hash, request b adopted block 8, computed after
+#   request a's different prefix. xxHash is not cryptographic (vLLM offers SHA-256).
 # - **Reference counts** let running requests share blocks; freed blocks **keep their contents**
 #   and stay findable, and are recycled from the front of the free list: unregistered blocks first,
 #   then registered ones **least recently used first**, each request's tail before its head.

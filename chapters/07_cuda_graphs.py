@@ -226,10 +226,13 @@ if torch.cuda.is_available():
 
 # %% [markdown]
 # A few microseconds per operation, times well over a thousand operations, is milliseconds of
-# host time per step before any useful work. And PyTorch's own operations are the cheap case:
-# a Triton kernel launched from Python goes through Triton's launcher, which inspects every
-# argument. The H200 benchmark of chapter 05 recorded, besides the device time of
-# `decode_attention`, its *host* time per eager call:
+# host time per step before any useful work. And PyTorch's own operations are the cheap case.
+# One eager call of our `decode_attention` (chapter 05) does several things on the host: it
+# validates its arguments, allocates its output (and, when it splits the KV cache, three
+# buffers for the partial results), chooses the number of splits, launches the split kernel
+# through Triton's launcher, which inspects every argument, and, with more than one split,
+# launches a second kernel that merges them. The H200 benchmark of chapter 05 recorded, besides
+# the device time of `decode_attention`, the *host* time of the whole call:
 
 # %%
 decode_record = json.loads((figures_dir() / "data" / "bench_decode_h200.json").read_text())
@@ -242,10 +245,30 @@ for r in decode_record["rows"]:
               f"{r['host_us']:8.0f} {r['host_us'] / r['us']:10.1f}x")
 
 # %% [markdown]
-# At batch 1 the kernel runs for 7.5 µs on the GPU and takes about 130 µs of CPU time to
-# launch: the GPU could run it over ten times while the CPU prepares one call. Only at batch
-# 256 does the device time catch up with the host time. Launched eagerly, a small decode step
-# is a queue of short kernels that the GPU drains faster than the CPU fills it.
+# At batch 1 the kernels run for 7.5 µs on the GPU and the call takes about 130 µs of CPU time:
+# the GPU could run it over ten times while the CPU prepares one call. Only at batch 256 does
+# the device time catch up with the host time. Launched eagerly, a small decode step is a queue
+# of short kernels that the GPU drains faster than the CPU fills it.
+#
+# How those microseconds divide between our own Python (validation, allocations, the split
+# choice) and Triton's launcher (one launch, or two with a merge) is a separate measurement:
+# `tests/gpu/host_breakdown.py` (the `host_breakdown` stage of `tests/gpu/h200_session.sh`)
+# times each piece alone and writes `figures/data/host_breakdown_h200.json`. Until that record
+# exists, all we can say is that the 130 µs is the whole call, not Triton's launcher alone:
+
+# %%
+breakdown_path = figures_dir() / "data" / "host_breakdown_h200.json"
+if breakdown_path.exists():
+    breakdown = json.loads(breakdown_path.read_text())
+    print(f"recorded on {breakdown['device']}, {breakdown['date'][:10]}: `{breakdown['command']}`")
+    parts = ["validate", "allocs", "choose_splits", "split_launch", "merge_launch", "rest"]
+    print(f"{'batch':>5} {'splits':>6} {'full µs':>8} " + " ".join(f"{p:>13}" for p in parts))
+    for r in breakdown["rows"]:
+        print(f"{r['batch']:5d} {r['num_splits']:6d} {r['full']:8.1f} "
+              + " ".join(f"{r[p]:13.1f}" for p in parts))
+else:
+    print("host time breakdown: not recorded yet (figures/data/host_breakdown_h200.json; "
+          "run the host_breakdown stage of tests/gpu/h200_session.sh on a GPU)")
 #
 # ## 2. Capture and replay
 #

@@ -16,7 +16,8 @@
 # %% [markdown]
 # # Chapter 11 — Performance
 #
-# Ten chapters built the engine piece by piece, and each measured what its piece buys. This
+# The chapters before this one built the engine piece by piece, and each measured what its
+# piece buys. This
 # chapter measures the whole: how many tokens per second the engine produces on a standard
 # workload, how that compares with `transformers`, and, more usefully, how it compares with the
 # **fastest the hardware allows**. The gap between the two is where the improvements are, so
@@ -141,7 +142,7 @@ sync_rec = load_record("bench_h200_sync.json")
 tuning = load_record("tuning_h200.json")
 progress = {
     "baseline: small PyTorch kernels, CPU waits for each step": baseline,
-    "+ fused Triton kernels, pinned copies (section 4.1)": sync_rec,
+    "+ fused Triton kernels (4.1), pinned copies (4.2)": sync_rec,
     "+ async scheduling (section 4.2): the engine today": bench,
 }
 for name, rec in progress.items():
@@ -152,8 +153,9 @@ print(f"the default setting twice more, in one process: "
 print("baseline:", baseline["note"])
 
 # %% [markdown]
-# Fused kernels made the engine 2.5 times faster (the same change also moved host-to-device
-# copies to pinned memory, section 4.2), async scheduling another 1.6 times: about four times
+# Fused kernels made the engine 2.5 times faster (the same change also moved the copies between
+# host and device to pinned memory, which section 4.2 explains), async scheduling another 1.6
+# times: about four times
 # in all. The last two records come from one session, one after the other; the
 # baseline from an earlier session the same day, on the same kind of machine. Identical runs
 # differ by several percent (the two repeats above), so read these numbers to two significant
@@ -755,25 +757,33 @@ for lo, hi in ((1, 16), (17, 64), (65, 255), (256, 256)):
 print(f"recorded on {tuning['device']}, {tuning['date']}: `{tuning['command']}`")
 print(f"defaults: {tuning['defaults']}")
 print(f"{'setting':36s} {'tok/s':>7} {'steps':>6} {'preempt':>8} {'TTFT s':>7} {'TPOT ms':>8}")
-for r in tuning["rows"]:
-    name = ", ".join(f"{k}={v}" for k, v in r["knobs"].items()) or "defaults"
+def knob_labels(rows):
+    """One label per row; the default setting, run more than once, is numbered."""
+    labels, repeat = [], 0
+    for r in rows:
+        name = ", ".join(f"{k}={v}" for k, v in r["knobs"].items())
+        if not name:
+            repeat += 1
+            name = f"defaults (run {repeat})"
+        labels.append(name)
+    return labels
+
+
+for name, r in zip(knob_labels(tuning["rows"]), tuning["rows"]):
     print(f"{name:36s} {r['tok_s']:7,.0f} {r['steps']:6d} {r['preemptions']:8d} "
           f"{r['ttft_mean_s']:7.2f} {r['tpot_mean_s'] * 1e3:8.2f}")
 
 # %%
-labels = [", ".join(f"{k}={v}" for k, v in r["knobs"].items()) or "defaults"
-          for r in tuning["rows"]]
-fig, (ax_t, ax_l) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+labels = knob_labels(tuning["rows"])
+fig, (ax_t, ax_f, ax_p) = plt.subplots(1, 3, figsize=(12, 4.2), sharey=True)
 y = np.arange(len(labels))
 ax_t.barh(y, [r["tok_s"] for r in tuning["rows"]], color=BOOK_COLORS[0])
 ax_t.set(yticks=y, yticklabels=labels, xlabel="output tokens / s", title="throughput")
 ax_t.invert_yaxis()
-ax_l.barh(y - 0.2, [r["ttft_mean_s"] for r in tuning["rows"]], 0.4, color=BOOK_COLORS[1],
-          label="mean TTFT (s)")
-ax_l.barh(y + 0.2, [r["tpot_mean_s"] * 1e3 for r in tuning["rows"]], 0.4, color=BOOK_COLORS[2],
-          label="mean TPOT (ms)")
-ax_l.set(xscale="log", title="latency", xlabel="seconds (TTFT) or milliseconds (TPOT), log")
-ax_l.legend(fontsize=8)
+ax_f.barh(y, [r["ttft_mean_s"] for r in tuning["rows"]], color=BOOK_COLORS[1])
+ax_f.set(xlabel="seconds", title="mean time to first token")
+ax_p.barh(y, [r["tpot_mean_s"] * 1e3 for r in tuning["rows"]], color=BOOK_COLORS[2])
+ax_p.set(xlabel="milliseconds", title="mean time per output token")
 fig.suptitle(f"The benchmark with one knob changed, Qwen3-0.6B on {tuning['device']} "
              f"({tuning['date']})", fontsize=10)
 fig.tight_layout()
@@ -781,8 +791,9 @@ save_figure(fig, "11_performance_knobs")
 plt.show()
 
 # %% [markdown]
-# The first two rows are the same setting run twice: they differ by several percent (the
-# first run in a process is a little slower), which is the noise to keep in mind for the rest.
+# The rows "defaults (run 1)" and "(run 2)" are the same setting run twice: they differ by
+# several percent (the first run in a process is a little slower), which is the noise to keep in
+# mind for the rest.
 # Then, knob by knob:
 #
 # * **`max_num_seqs`** caps the batch. With 64 or 128 sequences per step the run needs 2.6
@@ -949,15 +960,16 @@ for blocks in (need_blocks + 100, need_blocks // 2):
 #
 # ## 6. Long context: RoPE scaling
 #
-# A model trained on sequences of up to $L$ tokens has seen RoPE rotation angles
-# $m\,\theta_i$ only for positions $m < L$ (chapter 01). Beyond $L$, the *slow* channel pairs
-# (long wavelengths $2\pi/\theta_i$) reach angles never seen in training, and quality collapses.
+# A model trained on sequences of up to $L_{\text{train}}$ tokens has seen RoPE rotation angles
+# $m\,\omega_i$ (pair $i$'s frequency $\omega_i = \theta^{-2i/d}$, $\theta$ the RoPE base, as in
+# chapter 01) only for positions $m < L_{\text{train}}$. Beyond it, the *slow* channel pairs
+# (long wavelengths $2\pi/\omega_i$) reach angles never seen in training, and quality collapses.
 # Long-context models rescale the frequencies. The simplest way, **linear** scaling
-# (position interpolation), divides every frequency by a factor $s$: positions up to $sL$ then
+# (position interpolation), divides every frequency by a factor $s$: positions up to $s\,L_{\text{train}}$ then
 # map onto angles seen in training, but nearby tokens also become harder to tell apart. Llama
-# 3.1's **llama3** scaling is more careful: pairs whose wavelength is short compared with $L$
+# 3.1's **llama3** scaling is more careful: pairs whose wavelength is short compared with $L_{\text{train}}$
 # (they cycle many times within the training length) are kept as they are; pairs whose
-# wavelength is longer than $L$ are divided by $s$; in between, it blends the two smoothly. A
+# wavelength is longer than $L_{\text{train}}$ are divided by $s$; in between, it blends the two smoothly. A
 # model's `config.json` carries the rule in `rope_scaling` (or `rope_parameters`), and
 # `nanovllm/layers/rotary.py` applies it:
 
@@ -1004,7 +1016,7 @@ for level, text in ((old / llama3["high_freq_factor"], "old context / high_freq_
                     (old, "original context (8,192)")):
     ax.axhline(level, color="grey", linestyle=":", lw=1)
     ax.text(1, level * 1.3, text, fontsize=8, color="grey")
-ax.set(yscale="log", xlabel="channel pair i", ylabel="wavelength 2π/θ_i (positions)",
+ax.set(yscale="log", xlabel="channel pair i", ylabel="wavelength 2π/ω_i (positions)",
        title="RoPE wavelengths of Llama 3.1 (head_dim 128, θ = 500,000)")
 ax.legend(loc="upper left")
 save_figure(fig, "11_performance_rope_scaling")
@@ -1134,9 +1146,9 @@ print("Exercise 1 passed: bound_seconds matches a step-by-step count of the byte
 # %% [markdown]
 # **Exercise 2 — llama3 RoPE scaling.** Write `llama3_inv_freq(inv_freq, factor, low_freq_factor,
 # high_freq_factor, original_max_positions)`: keep the frequencies whose wavelength
-# $2\pi/\theta$ is below `original / high_freq_factor`, divide by `factor` those whose
+# $2\pi/\omega$ is below `original / high_freq_factor`, divide by `factor` those whose
 # wavelength is above `original / low_freq_factor`, and in between blend
-# $(1-\sigma)\,\theta/\text{factor} + \sigma\,\theta$ with
+# $(1-\sigma)\,\omega/\text{factor} + \sigma\,\omega$ with
 # $\sigma = (\text{original}/\text{wavelength} - \text{low}) / (\text{high} - \text{low})$.
 # The check compares with a float64 reference computed one frequency at a time with `math`
 # (`nanovllm/layers/rotary.py` implements the same rule).

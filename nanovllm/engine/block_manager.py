@@ -14,6 +14,15 @@ That is safe because within a layer the step stores every token's keys and value
 any attention reads them, and later steps run after earlier ones on the device. A block
 whose computation never happens (its sequence is preempted or fails before the step is
 launched) loses its hash when it is freed.
+
+A hash only *finds* a candidate block; adopting it needs proof that it holds the same tokens
+after the same prefix. Comparing the block's own tokens is not enough (under a weak or attacked
+hash, block 1 of an unrelated prompt with equal tokens would pass), nor is comparing parent
+hashes (two different prefixes can share one). So every registration gets a ``serial`` that is
+never reused, and a block remembers the serial of the block it continues: a lookup accepts block
+``i`` only if its tokens equal the request's and its ``parent`` is the serial of the block it
+accepted at ``i - 1``. By induction the whole chain of tokens is compared, and a hash collision
+can only cost a hit, never serve another prefix's keys and values.
 """
 
 from __future__ import annotations
@@ -42,6 +51,10 @@ class Block:
     ref_count: int = 0
     hash: int | None = None
     token_ids: tuple[int, ...] = field(default=())  # kept to rule out hash collisions
+    # Set while registered (findable by hash): a number never reused, and the serial of the
+    # registered block this one continues (None for a first block). See the module docstring.
+    serial: int | None = None
+    parent: int | None = None
 
 
 class BlockManager:
@@ -53,6 +66,7 @@ class BlockManager:
         self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
         self.orphans: set[int] = set()  # see take_orphans
+        self.next_serial = 0  # the next registration's serial
         self.queried_tokens = 0  # prompt tokens looked up in the prefix cache
         self.hit_tokens = 0  # ... of which were found there
 
@@ -89,21 +103,27 @@ class BlockManager:
         Only ``(seq.num_tokens - 1) // block_size`` blocks may be looked at. Do not change
         any state (no reference counts, no ``seq`` fields).
 
-        Hint: a block's key is ``chain_hash(parent, tokens)`` with ``parent`` the key of the
-        block before (``None`` for the first); look it up in ``self.hash_to_block`` and also
-        compare ``self.blocks[id].token_ids`` with ``tuple(tokens)`` to rule out collisions.
+        Hint: a block's key is ``chain_hash(key, tokens)`` with ``key`` the key of the block
+        before (``None`` for the first); look it up in ``self.hash_to_block``. A hash only
+        finds a candidate: accept block ``b = self.blocks[id]`` only if ``b.token_ids ==
+        tuple(tokens)`` and ``b.parent`` is the ``serial`` of the block accepted just before
+        (``None`` for the first block), so that the whole chain of tokens is compared.
         """
         # >>> assignment 04.cached_prefix (6 points)
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []  # (prompt logprobs need every prompt position computed)
-        found, parent = [], None
+        found, key, serial = [], None, None
         for i in range((seq.num_tokens - 1) // self.block_size):
             tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
-            parent = chain_hash(parent, tokens)
-            block_id = self.hash_to_block.get(parent)
-            if block_id is None or self.blocks[block_id].token_ids != tuple(tokens):
+            key = chain_hash(key, tokens)
+            block_id = self.hash_to_block.get(key)
+            if block_id is None:
                 break
+            block = self.blocks[block_id]
+            if block.token_ids != tuple(tokens) or block.parent != serial:
+                break  # a collision: other tokens, or the same tokens after another prefix
             found.append(block_id)
+            serial = block.serial
         return found
         # <<< assignment 04.cached_prefix
 
@@ -163,7 +183,7 @@ class BlockManager:
         """Make ``block`` unfindable by its hash."""
         if block.hash is not None and self.hash_to_block.get(block.hash) == block.block_id:
             del self.hash_to_block[block.hash]
-        block.hash, block.token_ids = None, ()
+        block.hash, block.token_ids, block.serial, block.parent = None, (), None, None
 
     def take_orphans(self) -> set[int]:
         """Blocks forgotten while another sequence still held them, since the last call.
@@ -183,16 +203,41 @@ class BlockManager:
             return
         bs = self.block_size
         for i in range(len(seq.block_hashes), num_tokens // bs):
-            tokens = seq.token_ids[i * bs : (i + 1) * bs]
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             if PLACEHOLDER in tokens:
                 return
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
-            h = chain_hash(parent, tokens)
+            h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, list(tokens))
             seq.block_hashes.append(h)
-            if h not in self.hash_to_block:  # else an identical block is already cached
-                block = self.blocks[seq.block_table[i]]
-                block.hash, block.token_ids = h, tuple(tokens)
-                self.hash_to_block[h] = block.block_id
+            parent = self._chain_serial(seq, i - 1) if i else None
+            if i and parent is None:
+                continue  # the prefix is not findable: a lookup could never reach this block
+            old = self.hash_to_block.get(h)
+            if old is not None:
+                other = self.blocks[old]
+                if (other.token_ids == tokens and other.parent == parent) or other.ref_count:
+                    continue  # an identical block is cached (or a colliding one is in use)
+                self._forget(other)  # a free block that no lookup can accept: give way
+            block = self.blocks[seq.block_table[i]]
+            block.hash, block.token_ids, block.parent = h, tokens, parent
+            block.serial, self.next_serial = self.next_serial, self.next_serial + 1
+            self.hash_to_block[h] = block.block_id
+
+    def _chain_serial(self, seq: Sequence, i: int) -> int | None:
+        """Serial of the registered block that holds ``seq``'s block ``i`` after its whole
+        prefix: its own block's, or an identical twin's (computed twice, registered once);
+        None when the prefix is not findable."""
+        k = i
+        while k >= 0 and self.blocks[seq.block_table[k]].serial is None:
+            k -= 1  # registered blocks of its own table are trusted: registration checked them
+        serial = self.blocks[seq.block_table[k]].serial if k >= 0 else None
+        for j in range(k + 1, i + 1):  # the rest must be twins that continue the chain
+            twin_id = self.hash_to_block.get(seq.block_hashes[j])
+            twin = self.blocks[twin_id] if twin_id is not None else None
+            tokens = tuple(seq.token_ids[j * self.block_size : (j + 1) * self.block_size])
+            if twin is None or twin.parent != serial or twin.token_ids != tokens:
+                return None
+            serial = twin.serial
+        return serial
 
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks and reset its progress to zero tokens.
