@@ -43,6 +43,10 @@ dots run as for a 16-bit cache while only one byte per element crosses the memor
 scales never enter the loop: ``k_scale`` joins the softmax scale and ``v_scale`` multiplies
 the output. On a GPU Triton converts e4m3 only on compute capability >= 8.9 (Ada, Hopper);
 ``EngineConfig`` refuses the combination on older GPUs.
+
+A sliding window (``window``, Mistral; chapter 12) is a compile-time switch: with it, each
+sequence's key range starts at ``seq_len - window`` instead of 0 and the splits divide that
+range, so keys outside the window are never read; without it the kernel is unchanged.
 """
 
 from __future__ import annotations
@@ -90,6 +94,7 @@ def _decode_split_kernel(
     qk_scale,
     v_scale,
     num_splits,
+    window,
     stride_qb,
     stride_qh,
     stride_kb,
@@ -111,6 +116,7 @@ def _decode_split_kernel(
     FP8_KV: tl.constexpr,  # the cache is float8 e4m3: widen its tiles to q's dtype
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -119,8 +125,13 @@ def _decode_split_kernel(
 
     # This split's key range [start, end): a whole number of BLOCK_N tiles, cut per sequence.
     seq_len = tl.load(seq_lens_ptr + b)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    if HAS_WINDOW:  # only the last `window` keys: the range [seq_len - window, seq_len)
+        first = tl.maximum(seq_len - window, 0)
+        split_len = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
+        start = first + split * split_len
+    else:
+        split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     # The query heads of this KV head's group, as one [GROUP_PAD, D_PAD] tile.
@@ -310,6 +321,7 @@ def decode_attention(
     *,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int | None = None,
 ) -> torch.Tensor:
     """One query token per sequence attends to its whole paged KV history.
 
@@ -320,6 +332,7 @@ def decode_attention(
     sequence (split-KV); ``None`` chooses with :func:`choose_num_splits`.
     The caches may instead be float8 e4m3 (an fp8 KV cache, chapter 08) holding
     ``K / k_scale`` and ``V / v_scale``; the scales are per-layer scalars.
+    ``window`` (optional, >= 1): attend to the last ``window`` keys only (sliding window).
     Returns ``[B, num_heads, head_dim]`` in ``q``'s dtype. Rows with ``seq_len == 0`` get zeros.
     """
     batch, num_heads, head_dim = q.shape
@@ -345,6 +358,8 @@ def decode_attention(
     for name, t in named.items():
         if t.stride(-1) != 1:
             raise ValueError(f"{name}'s last dimension must be contiguous")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1 or None, got {window}")
     check_launchable(q, _decode_split_kernel)
 
     out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
@@ -387,6 +402,7 @@ def decode_attention(
         scale * k_scale * LOG2E,  # k_scale folded in: see the kernel's last comment
         float(v_scale),
         num_splits,
+        window or 0,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -408,6 +424,7 @@ def decode_attention(
         FP8_KV=fp8_kv,
         DOT_FP32=dot_fp32,
         PRECISION="ieee" if dot_fp32 else "tf32",  # fp32: exact products; half inputs ignore it
+        HAS_WINDOW=window is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

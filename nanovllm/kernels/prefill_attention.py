@@ -30,6 +30,13 @@ padding is never dereferenced. Grouped-query attention: query head ``h`` reads K
 An fp8 cache (e4m3, chapter 08) is widened to q's dtype right after loading (exact); its
 per-layer scales cost nothing inside the loop: ``k_scale`` joins the softmax scale and
 ``v_scale`` multiplies the final output (both are constants of the whole cache).
+
+A sliding window (``window``, Mistral; chapter 12) lets query position ``p`` see keys
+``p - window < t <= p`` only. It is a compile-time switch: without it the kernel is the one
+above, unchanged. With it, the key loop starts at the first key the tile's first row may see
+(tiles wholly before the window are never loaded), every tile applies both masks, and a row
+whose first tiles lie wholly outside its window keeps its running max at a safe 0 until it
+meets a visible key, so no ``-inf - (-inf)`` NaN appears.
 """
 
 from __future__ import annotations
@@ -64,10 +71,12 @@ def _attend_key_tiles(
     stride_vb,
     stride_vt,
     qk_scale,
+    window,
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     CAUSAL_MASK: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    WINDOW_MASK: tl.constexpr = False,
 ):
     """Fold the key tiles [n_start, n_end) into the running (acc, l, m) of one query tile."""
     for start_n in range(n_start, n_end, BLOCK_N):
@@ -103,7 +112,11 @@ def _attend_key_tiles(
         s = s * qk_scale  # log2 domain
         if CAUSAL_MASK:
             s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
+        if WINDOW_MASK:
+            s = tl.where(k_pos[None, :] > q_pos[:, None] - window, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
+        if WINDOW_MASK:  # a row may have seen no key yet: keep the max finite
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -133,6 +146,7 @@ def _prefill_attention_kernel(
     qk_scale,
     v_scale,
     num_m_tiles,
+    window,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -150,6 +164,7 @@ def _prefill_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     # Heaviest query tiles (furthest down the diagonal) get the lowest program ids, so
     # they start first and the short ones fill in the tail.
@@ -190,52 +205,62 @@ def _prefill_attention_kernel(
     first_pos = prefix_len + m_tile * BLOCK_M
     n_full = ((first_pos + 1) // BLOCK_N) * BLOCK_N
     n_end = prefix_len + tl.minimum((m_tile + 1) * BLOCK_M, q_len)
-    acc, l_i, m_i = _attend_key_tiles(
-        acc,
-        l_i,
-        m_i,
-        q,
-        q_pos,
-        k_base,
-        v_base,
-        table_row,
-        offs_d,
-        0,
-        n_full,
-        kv_len,
-        stride_kb,
-        stride_kt,
-        stride_vb,
-        stride_vt,
-        qk_scale,
-        BLOCK_N,
-        BLOCK_SIZE,
-        False,
-        DOT_FP32,
-    )
-    acc, l_i, m_i = _attend_key_tiles(
-        acc,
-        l_i,
-        m_i,
-        q,
-        q_pos,
-        k_base,
-        v_base,
-        table_row,
-        offs_d,
-        n_full,
-        n_end,
-        kv_len,
-        stride_kb,
-        stride_kt,
-        stride_vb,
-        stride_vt,
-        qk_scale,
-        BLOCK_N,
-        BLOCK_SIZE,
-        True,
-        DOT_FP32,
-    )
+    if HAS_WINDOW:  # from the tile holding the first row's first visible key, all masked
+        n_first = (tl.maximum(first_pos - window + 1, 0) // BLOCK_N) * BLOCK_N
+        acc, l_i, m_i = _attend_key_tiles(
+            acc, l_i, m_i, q, q_pos, k_base, v_base, table_row, offs_d, n_first, n_end,
+            kv_len, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, window,
+            BLOCK_N, BLOCK_SIZE, True, DOT_FP32, True,
+        )
+    else:
+        acc, l_i, m_i = _attend_key_tiles(
+            acc,
+            l_i,
+            m_i,
+            q,
+            q_pos,
+            k_base,
+            v_base,
+            table_row,
+            offs_d,
+            0,
+            n_full,
+            kv_len,
+            stride_kb,
+            stride_kt,
+            stride_vb,
+            stride_vt,
+            qk_scale,
+            0,  # window: unused
+            BLOCK_N,
+            BLOCK_SIZE,
+            False,
+            DOT_FP32,
+        )
+        acc, l_i, m_i = _attend_key_tiles(
+            acc,
+            l_i,
+            m_i,
+            q,
+            q_pos,
+            k_base,
+            v_base,
+            table_row,
+            offs_d,
+            n_full,
+            n_end,
+            kv_len,
+            stride_kb,
+            stride_kt,
+            stride_vb,
+            stride_vt,
+            qk_scale,
+            0,  # window: unused
+            BLOCK_N,
+            BLOCK_SIZE,
+            True,
+            DOT_FP32,
+        )
 
     out = acc / l_i[:, None] * v_scale
     o_ptrs = out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
@@ -291,6 +316,7 @@ def prefill_attention(
     tiles: tuple[int, int, int, int] | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens over their sequences' paged K/V.
 
@@ -303,7 +329,8 @@ def prefill_attention(
     num_warps, num_stages) overrides the rule of :func:`default_tiles` (for tests, the
     benchmark's sweep and chapter 02's experiments; tile sizes are powers of two >= 16).
     The caches may instead be float8 e4m3 (an fp8 KV cache, chapter 08), holding
-    ``K / k_scale`` and ``V / v_scale``.
+    ``K / k_scale`` and ``V / v_scale``. ``window`` (optional, >= 1): each query sees only
+    its last ``window`` keys, itself included (sliding-window attention, chapter 12).
     """
     total_q, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, head_dim_k = k_cache.shape
@@ -330,6 +357,8 @@ def prefill_attention(
             raise ValueError(f"{name} must be int32, got {t.dtype}")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("q, k_cache and v_cache must be contiguous in head_dim")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1 or None, got {window}")
     check_launchable(q, _prefill_attention_kernel)
 
     if out is None:
@@ -356,6 +385,7 @@ def prefill_attention(
         scale * k_scale * math.log2(math.e),
         float(v_scale),
         num_m_tiles,
+        window or 0,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -375,6 +405,7 @@ def prefill_attention(
         # fp32 keeps fp32 dots (IEEE, no TF32). The interpreter computes bf16 wrongly, so
         # there bf16 is upcast after loading; on a GPU bf16/fp16 go to the tensor cores.
         DOT_FP32=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and q.device.type == "cpu"),
+        HAS_WINDOW=window is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

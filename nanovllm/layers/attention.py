@@ -14,6 +14,10 @@ With ``kv_cache_dtype="fp8"`` (chapter 08) the cache holds e4m3 values, ``K / k_
 prefill widen each tile on load and fold the scales into the softmax scale and the output);
 the torch backend is wrapped by ``fp8_kv_backend`` (quantize on store, dequantize the blocks
 a step uses).
+
+A layer built with ``sliding_window`` (Mistral, chapter 12) passes ``window=`` to its
+backend's ``attend``: every query then sees only its last ``window`` keys. Layers without one
+call ``attend`` exactly as before.
 """
 
 from __future__ import annotations
@@ -40,16 +44,17 @@ def _triton_backend(k_scale: float = 1.0, v_scale: float = 1.0) -> SimpleNamespa
     def store_kv(key, value, k_cache, v_cache, slot_mapping):
         store_kv_kernel(key, value, k_cache, v_cache, slot_mapping, **scales)
 
-    def attend(q, k_cache, v_cache, meta, scale):
+    def attend(q, k_cache, v_cache, meta, scale, window=None):
+        scales_w = {**scales, "window": window} if window is not None else scales
         # Decodes (packed first, one token each) take the decode kernel, the rest the
         # prefill kernel, whose query offsets are shifted past the decodes.
         nd, tables, lens = meta.num_decodes, meta.block_tables, meta.seq_lens_k
         if nd == len(meta.seq_lens_k_host):
-            return decode_attention(q, k_cache, v_cache, lens, tables, scale, **scales)
+            return decode_attention(q, k_cache, v_cache, lens, tables, scale, **scales_w)
         out = torch.empty_like(q)
         if nd:
             out[:nd] = decode_attention(
-                q[:nd], k_cache, v_cache, lens[:nd], tables[:nd], scale, **scales
+                q[:nd], k_cache, v_cache, lens[:nd], tables[:nd], scale, **scales_w
             )
         cu_q = meta.cu_seqlens_q[nd:] - nd
         prefill_attention(
@@ -62,7 +67,7 @@ def _triton_backend(k_scale: float = 1.0, v_scale: float = 1.0) -> SimpleNamespa
             scale,
             meta.max_seqlen_q,
             out=out[nd:],
-            **scales,
+            **scales_w,
         )
         return out
 
@@ -71,7 +76,7 @@ def _triton_backend(k_scale: float = 1.0, v_scale: float = 1.0) -> SimpleNamespa
 
 def _torch_backend() -> SimpleNamespace:
     return SimpleNamespace(
-        name="torch", store_kv=torch_attention.store_kv, attend=torch_attention.paged_attention
+        name="torch", store_kv=torch_attention.store_kv, attend=torch_attention.attend
     )
 
 
@@ -111,16 +116,32 @@ def select_backend(
 class Attention(nn.Module):
     """Paged attention for one layer; the model runner binds its cache tensors."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+        self.sliding_window = sliding_window
         self.k_cache = self.v_cache = torch.empty(0)
         self.backend = _torch_backend()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = get_attention_metadata()
+        window = self.sliding_window
         if meta is None:  # no engine around (e.g. a chapter calling the model directly)
+            if window is not None:
+                return torch_attention.windowed_attention(q, k, v, self.scale, window)
             return torch_attention.causal_attention(q, k, v, self.scale)
         self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if window is not None:
+            return self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale,
+                                       window=window)
         return self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale)

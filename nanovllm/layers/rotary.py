@@ -1,8 +1,23 @@
-"""Rotary position embedding, RoPE (chapter 01; long-context scaling in chapter 11).
+"""Rotary position embedding, RoPE (chapter 01; long-context scaling in chapters 11 and 12).
 
 Each pair of channels (i, i + d/2) of a query or key is rotated by the angle
 ``position * theta**(-2i/d)``; a dot product of rotated vectors then depends only on the
 distance between positions. cos/sin are tabulated once for every position.
+
+Long-context scaling (``rope_scaling`` / ``rope_parameters`` in ``config.json``, read by
+``model_config.py``) changes the frequencies, as ``transformers``' ``ROPE_INIT_FUNCTIONS`` do:
+
+- ``linear``: every frequency divided by ``factor`` (position interpolation);
+- ``llama3``: Llama 3.1's blend, long wavelengths divided, short ones kept;
+- ``dynamic`` (NTK-aware): a larger ``theta`` that grows with the sequence length. A paged KV
+  cache holds keys rotated once, at the step that wrote them, so the engine cannot re-rotate
+  them as a sequence grows: it uses the frequencies of its *maximum* length for every
+  sequence, as vLLM does (transformers recomputes them per forward; chapter 12 shows the
+  difference);
+- ``yarn``: interpolate the slow pairs, keep the fast ones, ramp in between, and multiply
+  cos/sin by an attention factor (``0.1 ln(factor) + 1`` unless the config gives one). The
+  factor is folded into the tables, so the Triton RoPE kernel (``kernels/rope.py``), which
+  reads the same tables, applies it too.
 """
 
 from __future__ import annotations
@@ -11,6 +26,16 @@ import math
 
 import torch
 from torch import nn
+
+SCALING_TYPES = ("linear", "llama3", "dynamic", "yarn")
+
+
+def scaling_type(scaling: dict | None) -> str:
+    """``"default"`` or one of ``SCALING_TYPES``, spelled as transformers 5 (``rope_type``) or
+    4 (``type``) spell it."""
+    if not scaling:
+        return "default"
+    return scaling.get("rope_type", scaling.get("type", "default"))
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -26,25 +51,96 @@ def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_medium, blended, scaled)
 
 
-def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if scaling is None:
-        return inv_freq
-    kind = scaling.get("rope_type", scaling.get("type"))
+def _default(head_dim: int, theta: float) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
+def _dynamic_ntk(head_dim: int, theta: float, scaling: dict, seq_len: int) -> torch.Tensor:
+    """NTK-aware scaling for sequences of ``seq_len`` tokens: raise the base so the slowest
+    pair's wavelength grows with the length while the fastest barely moves."""
+    factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
+    seq_len = max(seq_len, old_len)  # within the trained length: the plain frequencies
+    base = theta * (factor * seq_len / old_len - (factor - 1)) ** (head_dim / (head_dim - 2))
+    return _default(head_dim, base)
+
+
+def _yarn_correction_dim(rotations: float, head_dim: int, theta: float, old_len: int) -> float:
+    """The (fractional) pair index that turns ``rotations`` times over ``old_len`` positions."""
+    return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+
+def _yarn(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN's "NTK-by-parts": pairs that turn more than ``beta_fast`` times within the trained
+    length keep their frequency, pairs that turn fewer than ``beta_slow`` times are divided by
+    ``factor``, and a linear ramp over the pair index blends the two in between."""
+    factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
+    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+    low = _yarn_correction_dim(fast, head_dim, theta, old_len)
+    high = _yarn_correction_dim(slow, head_dim, theta, old_len)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    ramp = (torch.arange(head_dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)
+    keep = 1 - ramp.clamp(0, 1)  # 1: extrapolate (keep the frequency), 0: interpolate
+    inv_freq = _default(head_dim, theta)
+    return inv_freq / factor * (1 - keep) + inv_freq * keep
+
+
+def rope_inverse_frequencies(
+    head_dim: int, theta: float, scaling: dict | None, max_position: int | None = None
+) -> torch.Tensor:
+    """The ``head_dim / 2`` rotation frequencies, after the config's scaling if any.
+
+    ``max_position`` matters only for ``dynamic``: the sequence length whose frequencies to
+    use (the engine passes its table length; by default the trained length times ``factor``).
+    """
+    kind = scaling_type(scaling)
+    if kind == "default":
+        return _default(head_dim, theta)
     if kind == "llama3":
-        return _llama3_scaled(inv_freq, scaling)
+        return _llama3_scaled(_default(head_dim, theta), scaling)
     if kind == "linear":
-        return inv_freq / scaling["factor"]
-    raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
+        return _default(head_dim, theta) / scaling["factor"]
+    if kind == "dynamic":
+        trained = scaling["original_max_position_embeddings"]
+        length = max_position or int(trained * scaling["factor"])
+        return _dynamic_ntk(head_dim, theta, scaling, length)
+    if kind == "yarn":
+        return _yarn(head_dim, theta, scaling)
+    raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, "
+                     f"{', '.join(SCALING_TYPES)}")
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """YaRN's factor on cos/sin (so on every attention logit, squared); 1 for other types.
+
+    ``attention_factor`` if the config gives it, else ``mscale(factor, mscale) /
+    mscale(factor, mscale_all_dim)`` when both are given (DeepSeek's spelling), else
+    ``mscale(factor) = 0.1 ln(factor) + 1``: longer contexts spread attention thinner, and a
+    slightly larger logit scale sharpens it back (the YaRN paper's fit).
+    """
+    if scaling_type(scaling) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(factor: float, m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    factor, m, m_all = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if m and m_all:
+        return mscale(factor, m) / mscale(factor, m_all)
+    return mscale(factor)
 
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None = None):
         super().__init__()
-        inv_freq = rope_inverse_frequencies(head_dim, theta, scaling)
+        inv_freq = rope_inverse_frequencies(head_dim, theta, scaling, max_position)
         angles = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        self.register_buffer("cos", angles.cos(), persistent=False)  # [max_position, d/2]
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        gain = rope_attention_factor(scaling)  # YaRN's: folded into the tables (see above)
+        self.register_buffer("cos", angles.cos() * gain, persistent=False)  # [max_position, d/2]
+        self.register_buffer("sin", angles.sin() * gain, persistent=False)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

@@ -6,6 +6,10 @@ device and is the yardstick every faster kernel is tested against.
 Cache layout, shared by all backends: ``k_cache``/``v_cache`` are
 ``[num_blocks, block_size, num_kv_heads, head_dim]``; token t of a sequence lives in
 block ``block_table[t // block_size]`` at row ``t % block_size``.
+
+Sliding-window attention (Mistral; chapter 12): each query sees only its last ``window``
+keys, itself included. ``windowed_attention`` and ``windowed_paged_attention`` are the
+reference for that; the plain functions above them stay window-free.
 """
 
 from __future__ import annotations
@@ -149,3 +153,72 @@ def paged_attention(
         out[cu[b] : cu[b + 1]] = causal_attention(q[cu[b] : cu[b + 1]], k, v, scale)
     return out
     # <<< assignment 02.paged_attention
+
+
+def sliding_window_mask(
+    num_queries: int, num_keys: int, window: int, device: torch.device | None = None
+) -> torch.Tensor:
+    """Which keys each query may see under causal attention with a sliding window.
+
+    Handout (chapter 12 §4, assignment ``12.sliding_window``): the ``num_queries`` queries are
+    the *last* ones of the ``num_keys`` positions (as in ``causal_attention``), so query i sits
+    at position ``p = num_keys - num_queries + i``. Return a boolean ``[num_queries,
+    num_keys]`` tensor on ``device``, True where query i may attend to key j: ``j <= p``
+    (causal) and ``p - j < window`` (the window holds ``window`` keys, the query's own
+    included, as Mistral and transformers define it).
+    Hint: two ``torch.arange`` broadcast against each other give every (i, j) pair.
+    """
+    # >>> assignment 12.sliding_window (4 points)
+    rows = torch.arange(num_keys - num_queries, num_keys, device=device)[:, None]
+    cols = torch.arange(num_keys, device=device)[None, :]
+    return (cols <= rows) & (rows - cols < window)
+    # <<< assignment 12.sliding_window
+
+
+def windowed_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int
+) -> torch.Tensor:
+    """``causal_attention`` where each query sees only its last ``window`` keys."""
+    mask = sliding_window_mask(q.shape[0], k.shape[0], window, q.device)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale,
+        enable_gqa=True,
+    )
+    return out.transpose(0, 1)
+
+
+def windowed_paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int,
+) -> torch.Tensor:
+    """``paged_attention`` with a sliding window, one sequence at a time (decodes included).
+
+    Only the keys some query of the step can see are gathered: the last
+    ``window + queries - 1`` of each sequence, so the cost is bounded by the window.
+    """
+    out = torch.empty_like(q)
+    cu, lens = meta.cu_seqlens_q_host, meta.seq_lens_k_host
+    for b in range(len(lens)):
+        start = max(0, lens[b] - (cu[b + 1] - cu[b]) - window + 1)
+        k = gather_kv(k_cache, meta.block_tables[b], lens[b])[start:]
+        v = gather_kv(v_cache, meta.block_tables[b], lens[b])[start:]
+        out[cu[b] : cu[b + 1]] = windowed_attention(q[cu[b] : cu[b + 1]], k, v, scale, window)
+    return out
+
+
+def attend(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """The torch backend's entry point: ``paged_attention``, windowed when ``window`` is set."""
+    if window is None:
+        return paged_attention(q, k_cache, v_cache, meta, scale)
+    return windowed_paged_attention(q, k_cache, v_cache, meta, scale, window)

@@ -30,7 +30,7 @@ class SelfAttention(nn.Module):
         self.num_kv_heads = cfg.num_kv_heads // tp_size()
         self.head_dim = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(
-            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, bias=cfg.attention_bias
+            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, bias=cfg.qkv_bias
         )
         self.o_proj = RowParallelLinear(
             cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.attention_bias
@@ -38,7 +38,9 @@ class SelfAttention(nn.Module):
         self.rotary_emb = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
-        self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
+        self.attn = Attention(
+            self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5, cfg.sliding_window
+        )
         if qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)

@@ -10,6 +10,14 @@ value of the wrong type raises ``ValueError`` naming the file and the field, ins
 of class names, as Hugging Face writes it; a lone string is rejected, not guessed at.
 End-of-sequence ids come from ``config.json`` and, when present, ``generation_config.json``
 (Qwen models list several there), merged in that order without duplicates.
+
+RoPE scaling (chapter 12) is read as transformers reads it: ``rope_scaling`` (4.x) or a
+``rope_parameters`` whose ``rope_type`` is not ``default`` (5.x); ``type`` is an old spelling
+of ``rope_type``. The dictionary is completed with ``original_max_position_embeddings`` (the
+trained length) and ``max_position_embeddings`` becomes the length the scaled model serves,
+as vLLM derives it: trained length times ``factor`` for linear, dynamic and YaRN (llama3
+configs already state the extended length). A sliding window (Mistral) is read from
+``sliding_window`` unless ``use_sliding_window`` is false (Qwen2 ships a window it does not use).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nanovllm.layers.rotary import SCALING_TYPES, scaling_type
 from nanovllm.sampling_params import Rule, is_bool, is_finite, is_int
 
 REQUIRED = (
@@ -62,6 +71,8 @@ _RULES: tuple[Rule, ...] = (
     ("tie_word_embeddings", is_bool, "true or false"),
     ("attention_bias", is_bool, "true or false"),
     ("eos_token_id", _token_ids, "a token id (int >= 0) or a list of them"),
+    ("sliding_window", _positive_int, "an int >= 1"),
+    ("original_max_position_embeddings", _positive_int, "an int >= 1"),
 )
 
 
@@ -90,6 +101,48 @@ def _check(cfg: dict[str, Any], source: str) -> None:
             f"{source}: field 'hidden_size' ({cfg['hidden_size']}) must be a multiple of "
             f"num_attention_heads ({heads}) when head_dim is not given"
         )
+
+
+def _rope_scaling(cfg: dict[str, Any], source: str) -> tuple[dict | None, int]:
+    """The scaling dictionary, completed, and the maximum position the scaled model serves."""
+    rope = dict(cfg.get("rope_parameters") or {})
+    scaling = dict(cfg.get("rope_scaling") or (
+        rope if scaling_type(rope) != "default" else {}
+    ))
+    length = cfg.get("max_position_embeddings") or 2048
+    kind = scaling_type(scaling)
+    if kind == "default":
+        return None, length
+    if kind not in SCALING_TYPES:
+        raise ValueError(f"{source}: rope scaling type {kind!r} is not supported; supported: "
+                         f"{', '.join(SCALING_TYPES)}")
+    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"{source}: partial_rotary_factor != 1 is not supported")
+    if kind == "dynamic":  # transformers scales from max_position_embeddings itself
+        scaling["original_max_position_embeddings"] = length
+    elif kind in ("yarn", "llama3"):  # a top-level value wins (Phi-3's habit), as in transformers
+        scaling["original_max_position_embeddings"] = (
+            cfg.get("original_max_position_embeddings")
+            or scaling.get("original_max_position_embeddings") or length)
+    if kind == "yarn" and scaling.get("factor") is None:
+        scaling["factor"] = length / scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor")
+    if not _positive_number(factor):
+        raise ValueError(f"{source}: rope scaling {kind!r} needs a 'factor' > 0, got {factor!r}")
+    if kind in ("linear", "dynamic"):
+        length = int(length * factor)
+    elif kind == "yarn":
+        length = int(scaling["original_max_position_embeddings"] * factor)
+    return scaling, length
+
+
+def _sliding_window(cfg: dict[str, Any], source: str) -> int | None:
+    if "use_sliding_window" in cfg:  # Qwen2/Qwen3: a window on some layers only, if switched on
+        if cfg["use_sliding_window"]:
+            raise ValueError(f"{source}: use_sliding_window (a window on some layers only) is "
+                             "not supported")
+        return None
+    return cfg.get("sliding_window")
 
 
 def _eos_ids(value: int | list[int] | None) -> tuple[int, ...]:
@@ -123,15 +176,19 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     eos_token_ids: tuple[int, ...]
+    qkv_bias: bool | None = None  # None: as attention_bias (Qwen2 has it without o_proj's)
+    sliding_window: int | None = None  # each query sees its last `sliding_window` keys
+
+    def __post_init__(self) -> None:
+        if self.qkv_bias is None:
+            object.__setattr__(self, "qkv_bias", self.attention_bias)
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
         """Build from a parsed ``config.json``; ``source`` names it in error messages."""
         _check(cfg, source)
         rope = dict(cfg.get("rope_parameters") or {})
-        scaling = cfg.get("rope_scaling") or (
-            rope if rope.get("rope_type", "default") != "default" else None
-        )
+        scaling, max_position = _rope_scaling(cfg, source)
         heads = cfg["num_attention_heads"]
         return cls(
             architecture=cfg["architectures"][0],
@@ -145,10 +202,11 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),
             rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
             rope_scaling=scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings") or 2048,
+            max_position_embeddings=max_position,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
             eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
+            sliding_window=_sliding_window(cfg, source),
         )
 
     @classmethod

@@ -5,10 +5,14 @@ from __future__ import annotations
 from torch import nn
 
 from nanovllm.models.llama import LlamaForCausalLM
+from nanovllm.models.mistral import MistralForCausalLM
+from nanovllm.models.qwen2 import Qwen2ForCausalLM
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
 
 _REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
 

@@ -83,11 +83,13 @@ def fp8_kv_backend(
         base.store_kv(quantize_kv(key, k_scale), quantize_kv(value, v_scale), k_cache, v_cache,
                       slot_mapping)
 
-    def attend(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attend(
+        q, k_cache, v_cache, meta: AttentionMetadata, scale: float, **window
+    ) -> torch.Tensor:  # **window: a sliding window (chapter 12), passed on to the base
         used, tables = compact_blocks(meta.block_tables, k_cache.shape[0])
         k = dequantize_kv(k_cache[used], k_scale, q.dtype)
         v = dequantize_kv(v_cache[used], v_scale, q.dtype)
-        return base.attend(q, k, v, dataclasses.replace(meta, block_tables=tables), scale)
+        return base.attend(q, k, v, dataclasses.replace(meta, block_tables=tables), scale, **window)
 
     return SimpleNamespace(name=base.name, store_kv=store_kv, attend=attend,
                            kv_cache_dtype="fp8", k_scale=k_scale, v_scale=v_scale)
