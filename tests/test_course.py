@@ -31,7 +31,10 @@ ASSIGNMENTS = {
     "06.chunk": 4, "06.preempt": 6, "06.fair_order": 6,
     "07.buckets": 3, "07.pad": 5,
     "08.channel_scales": 4, "08.int8_linear": 3, "08.token_scales": 4,
+    "09.column_shard": 3, "09.row_shard": 3, "09.vocab_embed": 4,
     "10.token_bucket": 4,
+    "13.check_refcounts": 4,
+    "12.sliding_window": 4,
 }  # fmt: skip
 DECODE = "tests/kernels/test_decode_kernels.py::"
 FAST = [
@@ -49,7 +52,11 @@ FAST = [
     "tests/test_scheduler.py::test_preemption_and_prefix_cache_metrics",
     "tests/test_cuda_graphs.py",
     "tests/test_quant_assignments.py",
+    "tests/test_tp_assignments.py",
     "tests/test_serve_assignments.py",
+    "tests/test_invariants.py",
+    "tests/test_models_new.py::test_sliding_window_mask_unit",
+    "tests/test_models_new.py::test_logits_match_transformers",
 ]
 
 

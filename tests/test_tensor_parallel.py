@@ -15,14 +15,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from course_ids import ENGINE
+from test_scheduler import make_tiny_llama
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.executor import WorkerDiedError, free_port
-from test_scheduler import make_tiny_llama
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9] * 7, list(range(10, 60)), [5] * 3]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 REPO = Path(__file__).resolve().parents[1]
+# An engine at TP>1 reaches the row-parallel loader (o_proj, down_proj) and the
+# vocab-parallel lookup; no model uses the plain column-parallel loader (09.column_shard:
+# graded in tests/test_tp_assignments.py), QKV and gate/up have their own.
+TP = (*ENGINE, "09.row_shard", "09.vocab_embed")
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +71,7 @@ def wait_gone(pids: list[int], timeout: float = 20.0) -> list[int]:
     return [p for p in pids if alive(p)]
 
 
+@pytest.mark.assignment(*TP)
 def test_tp2_equals_tp1_and_transformers(tiny):
     one = tokens(tiny)
     two = tokens(tiny, tensor_parallel_size=2)
@@ -73,6 +79,7 @@ def test_tp2_equals_tp1_and_transformers(tiny):
     assert two == hf_greedy(tiny, PROMPTS, GREEDY.max_tokens)
 
 
+@pytest.mark.assignment(*TP, "06.preempt")
 def test_tp2_with_preemption_prefix_caching_and_async_scheduling(tiny):
     shared = list(range(100, 148))  # three full blocks every prompt shares
     prompts = [shared + [i, i + 1] for i in range(6)]
@@ -86,11 +93,13 @@ def test_tp2_with_preemption_prefix_caching_and_async_scheduling(tiny):
     assert two == tokens(tiny, prompts, params, **options)
 
 
+@pytest.mark.assignment(*TP)
 def test_dummy_weights_are_the_same_model_at_every_size(tiny):
     options = dict(load_format="dummy", seed=3)
     assert tokens(tiny, tensor_parallel_size=2, **options) == tokens(tiny, **options)
 
 
+@pytest.mark.assignment(*TP, "08.channel_scales", "08.int8_linear")
 def test_int8_quantization_under_tp(tiny):
     """Scales are per output channel of each shard: column-parallel shards keep TP=1's
     scales exactly, row-parallel shards get their own (a slice's maximum), so the tokens
@@ -101,6 +110,7 @@ def test_int8_quantization_under_tp(tiny):
     assert same >= 0.75 * sum(map(len, one)), (one, two)
 
 
+@pytest.mark.assignment(*TP)
 def test_smollm2_tp3_equals_transformers(smollm2_dir):
     from transformers import AutoTokenizer
 

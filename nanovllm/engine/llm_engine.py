@@ -27,8 +27,8 @@ import time
 from collections.abc import Iterable
 
 from nanovllm.config import EngineConfig
-from nanovllm.distributed import check_divisible
 from nanovllm.detokenizer import IncrementalDetokenizer
+from nanovllm.distributed import check_divisible
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.input_processor import InputProcessor
 from nanovllm.engine.metrics import EngineStats, StepMetrics, TimelineRecorder

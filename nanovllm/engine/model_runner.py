@@ -113,7 +113,7 @@ class ModelRunner:
         try:
             self._build(config, model_config)
         except BaseException:
-            self.shutdown()
+            self.shutdown(polite=False)  # the workers may wait in a collective of _build
             raise
 
     def _build(self, config: EngineConfig, model_config: ModelConfig) -> None:
@@ -293,7 +293,8 @@ class ModelRunner:
         n_tok, n_seq, n_sample = plan.num_tokens, plan.num_seqs, plan.num_samples
         longs = self._to_device(plan.longs, torch.int64)
         ints = self._to_device(plan.ints, torch.int32)
-        cu_q, lens_k = plan.ints[: n_seq + 1].tolist(), plan.ints[n_seq + 1 : 2 * n_seq + 1].tolist()
+        cu_q = plan.ints[: n_seq + 1].tolist()
+        lens_k = plan.ints[n_seq + 1 : 2 * n_seq + 1].tolist()
         meta = AttentionMetadata(
             slot_mapping=longs[2 * n_tok : 3 * n_tok],
             cu_seqlens_q=ints[: n_seq + 1],
@@ -381,10 +382,11 @@ class ModelRunner:
         if plan.num_samples:
             self.model.compute_logits(hidden[sample_indices])
 
-    def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (idempotent)."""
+    def shutdown(self, polite: bool = True) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent; ``polite``: see
+        ``TPExecutor.shutdown``)."""
         if self.executor is not None:
-            self.executor.shutdown()
+            self.executor.shutdown(polite)
 
     def _sampling_inputs(self, seqs: list[Sequence]) -> tuple:
         return self.sampling_inputs.build(seqs, (self._in_flight_tokens, self._in_flight_rows))

@@ -28,12 +28,26 @@ class VocabParallelEmbedding(nn.Module):
         param.data[: part.shape[0]].copy_(part)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings ``[..., hidden]`` of ``token_ids`` (any shape), on every rank.
+
+        Handout (chapter 09 §4, assignment ``09.vocab_embed``): with ``N > 1`` ranks this
+        rank's ``self.weight`` ``[shard_size, hidden]`` holds the rows of the vocabulary ids
+        ``self.start .. self.start + shard_size - 1`` (the last shard is padded with zero
+        rows). Look up the tokens this rank owns at their local row, give every other token
+        a vector of zeros, and return ``all_reduce`` of the result: each token is owned by
+        exactly one rank, so the sum over ranks is its embedding. The lookup must not index
+        out of range for tokens it does not own (clamp their local ids into range first,
+        then zero their rows); keep the dtype of ``self.weight``. Hint: ``F.embedding``; a
+        boolean mask ``[..., 1]`` multiplies like 0/1.
+        """
         if tp_size() == 1:
             return F.embedding(token_ids, self.weight)
+        # >>> assignment 09.vocab_embed (4 points)
         local = token_ids - self.start
         owned = (local >= 0) & (local < self.shard_size)
         y = F.embedding(local.clamp(0, self.shard_size - 1), self.weight)
         return all_reduce(y * owned.unsqueeze(-1))
+        # <<< assignment 09.vocab_embed
 
 
 class ParallelLMHead(VocabParallelEmbedding):

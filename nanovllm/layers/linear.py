@@ -68,9 +68,22 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(input_size, output_size // tp_size(), bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        """Copy this rank's rows of a checkpoint tensor (weight or bias) into ``param``.
+
+        Handout (chapter 09 §2, assignment ``09.column_shard``): a column-parallel layer
+        splits the output features, so rank ``r`` of ``N`` (``tp_rank()``, ``tp_size()``)
+        holds rows ``r * rows .. (r + 1) * rows - 1`` of the full weight ``[out, in]`` (and
+        the same entries of a bias ``[out]``), where ``rows = out / N`` is ``param.shape[0]``.
+        ``loaded`` is the full checkpoint tensor; its shape is checked above. Copy the
+        rank's slice into ``param.data`` in place (the engine's memory is already
+        allocated). Hint: ``Tensor.narrow`` selects a slice without copying; at ``N = 1``
+        the slice is the whole tensor.
+        """
         rows = param.shape[0]
         check_shape(loaded, rows * tp_size(), *param.shape[1:])
+        # >>> assignment 09.column_shard (3 points)
         param.data.copy_(loaded.narrow(0, tp_rank() * rows, rows))
+        # <<< assignment 09.column_shard
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -118,13 +131,29 @@ class RowParallelLinear(LinearBase):
         super().__init__(input_size // tp_size(), output_size, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        """Copy this rank's columns of the checkpoint weight, or the whole bias, into ``param``.
+
+        Handout (chapter 09 §2, assignment ``09.row_shard``): a row-parallel layer splits
+        the *input* features, so rank ``r`` of ``N`` (``tp_rank()``, ``tp_size()``) holds
+        columns ``r * cols .. (r + 1) * cols - 1`` of the full weight ``[out, in]``, where
+        ``cols = in / N`` is ``param.shape[1]``; each rank's matmul is then a partial sum
+        that ``forward`` all-reduces. The bias (``param.dim() == 1``, shape ``[out]``) is
+        not split: it is added once, after the reduction, so every rank loads it whole.
+        ``loaded`` is the full checkpoint tensor (its shape is checked above); copy into
+        ``param.data`` in place. Only ``N > 1`` reaches the region: one rank takes the whole
+        tensor (every model at ``N = 1``). Hint: ``Tensor.narrow`` along dimension 1.
+        """
+        if tp_size() == 1:
+            return super().weight_loader(param, loaded)
+        full = param.shape if param.dim() == 1 else (param.shape[0], param.shape[1] * tp_size())
+        check_shape(loaded, *full)
+        # >>> assignment 09.row_shard (3 points)
         if param.dim() == 1:  # the bias is added once, after the reduction
-            check_shape(loaded, *param.shape)
             param.data.copy_(loaded)
             return
         cols = param.shape[1]
-        check_shape(loaded, param.shape[0], cols * tp_size())
         param.data.copy_(loaded.narrow(1, tp_rank() * cols, cols))
+        # <<< assignment 09.row_shard
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = all_reduce(self.matmul(x))

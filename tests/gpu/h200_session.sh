@@ -27,6 +27,14 @@
 #                (pip download fastapi uvicorn prometheus-client pyyaml httpx for cp312)
 #   quant_sweep  the int8 GEMM tile sweep: best tiles per layer shape printed in
 #                quant_sweep.log, all timings in int8_sweep_h200.json (not part of `quant`)
+#   troubleshooting  GPU memory for chapter 13: allocator counters, the KV budget, the largest
+#                allocations of a memory snapshot, autograd on/off -> troubleshooting_h200.json
+#   host_breakdown  chapter 07: the host time of one eager decode_attention call split into
+#                validation, allocations, split choice, each Triton launch -> host_breakdown_h200.json
+#   long_context chapter 12: the Triton kernels with a sliding window against a float64
+#                reference, and nanovllm.long_context over 15,360 tokens (1.9x SmolLM2's trained length;
+#                perplexity by position, fp32)
+#                -> 12_long_context_h200.json (needs the SmolLM2 weights, see below)
 # Real SmolLM2 weights: unpack them first (/work/shared/gpu/fetch-big-wheels.sh .smol weights)
 # and keep their folder on PYTHONPATH; this script appends to PYTHONPATH, never replaces it.
 set -u
@@ -97,6 +105,14 @@ for _ in range(360):
         run "$name" 160 env NANOVLLM_KEEP_FIGURES=1 python3 -m pytest --nbval-lax "$nb" \
           --nbval-current-env -p no:cacheprovider -q
       done ;;
+    troubleshooting) run troubleshooting 300 python3 tests/gpu/troubleshooting_h200.py \
+      --out "$OUT/troubleshooting_h200.json" ;;
+    long_context)
+      run window_kernels 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_window_kernels.py
+      run long_context 300 python3 -m nanovllm.long_context --device cuda --tokens 15360 \
+        --out "$OUT/12_long_context_h200.json" ;;
+    host_breakdown) run host_breakdown 120 python3 tests/gpu/host_breakdown.py \
+      --out "$OUT/host_breakdown_h200.json" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
