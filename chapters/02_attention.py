@@ -37,7 +37,7 @@
 # Then we read the package's PyTorch versions and prove they agree with ours, count the
 # memory traffic that tiling saves (Figure 1), take apart the package's **Triton prefill
 # kernel** tile by tile and run it (on a CPU under the Triton interpreter), switch it on in
-# the engine, and finish with its recorded speed on an H200 (Figure 2).
+# the engine, and finish with its recorded speed on an H200 (Figure 3).
 #
 # **Package modules taught here:** `nanovllm/layers/torch_attention.py` (the PyTorch reference
 # backend: `causal_attention`, `paged_attention`), `nanovllm/layers/attention.py` (the layer
@@ -853,7 +853,7 @@ for ql, kl in [(128, 128), (64, 128)]:
           f"{counts[0]} skipped of {counts.sum()}")
 
 # %% [markdown]
-# **Figure 3.** Which (query tile, key tile) pairs the kernel visits, 16 × 16 tiles. Each row
+# **Figure 2.** Which (query tile, key tile) pairs the kernel visits, 16 × 16 tiles. Each row
 # of tiles is one program (per head). For a plain prompt (left) the kernel visits the
 # lower triangle of tiles: 28 without a mask, 8 on the diagonal with one, and skips the other
 # 28, so causal attention costs a little over half of full attention. For a chunk after a
@@ -1117,14 +1117,17 @@ for label, result in recorded.items():
           f"TFLOP/s bf16 matmul")
 
 # %% [markdown]
-# **Figure 2.** Recorded prefill attention throughput on an NVIDIA H200 (bf16, 256 prompts
+# **Figure 3.** Recorded prefill attention throughput on an NVIDIA H200 (bf16, 256 prompts
 # of 100–1,024 tokens, no cached prefix), for our Triton kernel reading K/V through block tables
 # with cache blocks of 256 and 16 tokens, and for PyTorch's `varlen_attn` reading the same K/V
 # laid out contiguously. Date, versions and commands are printed above.
 #
 # With Qwen3-0.6B's shape our paged kernel reaches 234 TFLOP/s with 256-token blocks and 213
 # with 16-token blocks, against 165 for `varlen_attn`: 1.42× faster, despite the indirection
-# through the block table. With SmolLM2's smaller heads (head_dim 64) the gap is wider (2.12×),
+# through the block table. Read that ratio in its context: one workload (prefills only, no
+# cached prefix), bf16, torch 2.11's `varlen_attn`, one session on one GPU. It says nothing
+# about decode steps, and nothing about FlashAttention's newest kernels, which we have not
+# measured here. With SmolLM2's smaller heads (head_dim 64) the gap is wider (2.12×),
 # mostly because `varlen_attn` drops to 107 TFLOP/s there. Small blocks cost a little (more
 # block-id lookups, less contiguous loads), about 9% at head_dim 128. The sweep shows how the
 # tiles were chosen: 64 query rows × 32 keys with 4 warps is the best of those tried; 8 warps
@@ -1338,7 +1341,7 @@ print("Exercise 3 passed: pack_varlen on 5 random batches; packed attention matc
 #   in the block table, and keeps the softmax online in fp32 with `exp2`. It agrees with the
 #   definition under the Triton interpreter on a CPU, gives the engine the same tokens as the
 #   PyTorch backend, and on an H200 it outruns PyTorch's `varlen_attn` while reading a paged
-#   cache (Figure 2).
+#   cache (Figure 3).
 #
 # Next, chapter 03 looks at what attention reads during generation: the KV cache, what it
 # saves, what it costs per token, and why a contiguous cache per request wastes memory.

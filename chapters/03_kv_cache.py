@@ -494,7 +494,9 @@ for i, length in enumerate(LENGTHS):
 # - The no-cache step and the prefill should take about the same time at each length: without
 #   a cache *every* step is a prefill.
 #
-# The figure puts the derived FLOPs (left) next to the measured times (right).
+# The figure puts the derived FLOPs (left) next to the measured times of one step (right):
+# the next token without a cache (a forward pass over all $n$ tokens), the next token with it
+# (one decode step), and, for comparison, the prefill step that fills the cache with $n$ tokens.
 
 # %%
 n_axis = np.unique(np.geomspace(1, 4096, 200).astype(int))
@@ -504,11 +506,12 @@ ax_flops.plot(n_axis, [step_flops(cfg, int(k), True) / 1e9 for k in n_axis], lab
 ax_flops.set(xscale="log", yscale="log", xlabel="sequence length n (tokens)",
              ylabel="GFLOP for the next token", title="Derived: SmolLM2-135M")
 ax_flops.legend()
-ax_time.plot(LENGTHS, np.array(measured["no cache"]) * 1e3, "o-", label="no cache")
-ax_time.plot(LENGTHS, np.array(measured["with cache"]) * 1e3, "o-", label="KV cache (engine)")
+ax_time.plot(LENGTHS, np.array(measured["no cache"]) * 1e3, "o-", label="next token, no cache")
+ax_time.plot(LENGTHS, np.array(measured["with cache"]) * 1e3, "o-",
+             label="next token, KV cache (engine decode step)")
 ax_time.plot(LENGTHS, np.array(measured["prefill"]) * 1e3, "x:", color=BOOK_COLORS[2],
              label="prefill of n tokens (engine)")
-ax_time.set(xlabel="sequence length n (tokens)", ylabel="time per generated token (ms)",
+ax_time.set(xlabel="sequence length n (tokens)", ylabel="time of one step (ms)",
             title=f"Measured on {device}, fp32", ylim=(0, None))
 ax_time.legend()
 save_figure(fig, "03_kv_cache_cost")

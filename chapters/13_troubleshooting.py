@@ -696,8 +696,8 @@ else:
 # read from the records in `figures/data/` (each row names its record, device and date). The
 # workload is the one of chapter 11 (the nano-vllm benchmark: 256 requests, 100-1024 prompt
 # and output tokens, random weights) unless the row says otherwise; the server rows are chapter
-# 10's load test (requests sent at a fixed rate, or all at once: "inf"). Tensor-parallel rows
-# come with chapter 09's records.
+# 10's load test (requests sent at a fixed rate, or all at once: "inf"); the tensor-parallel
+# rows are chapter 09's runs on two H200s.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -726,6 +726,12 @@ def deployment_rows() -> list[dict]:
                              "requests": rec["bench_requests"][shape],
                              "config": f"weights/KV {variant}", "tok_s": tok_s,
                              "record": path.name})
+        tp_runs = [e for e in rec.get("engines", []) if isinstance(e, dict) and "tp" in e]
+        for run in tp_runs:  # chapter 09's tensor-parallel runs
+            rows.append({"model": run["model"], "device": rec["device"],
+                         "date": rec["runs"][-1]["date"][:10], "requests": run["requests"],
+                         "config": f"triton attention, tensor_parallel_size={run['tp']}",
+                         "tok_s": run["output_tok_s"], "record": path.name})
         for run in rec.get("runs", []) if "server_command" in rec else []:  # chapter 10's
             cfg = rec["config"]
             rows.append({"model": Path(rec["server_command"].split()[3]).name,
