@@ -13,6 +13,10 @@
 #                .whl (fetch them with /work/shared/gpu/fetch-wheels.sh .whl and carry .whl)
 #   executed     the CHAPTERS notebooks executed and saved to $OUT (*.gpu.ipynb), to compare
 #                their printed results with the CPU run; needs .whl like `chapters`
+#   book_gpu     every chapter (or CHAPTERS) under nbval-lax, each executed once: the
+#                nbval_record plugin saves $OUT/NN_name.gpu.ipynb (timed cells) and
+#                NN_name.nbval.json; needs .whl (notebooks) and .webwhl (chapter 10) carried, or
+#                installed by an earlier call of this stage into /tmp/site and /tmp/web
 #   isolation    the fault-isolation, async-engine, async-scheduling and prefix-caching tests
 #                on the GPU (bf16, Triton kernels, CUDA graphs, async scheduling on)
 #   quant        chapter 08, three stages in a row (each may also run alone):
@@ -52,6 +56,9 @@ stages=${stages//quant /quant_tests quant_bench quant_eval }  # `quant`: its thr
 notebook_wheels() {
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site; }
+web_wheels() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/web .webwhl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/web; }
 # Executes a notebook in chapters/ (as nbval does) and saves it with its outputs.
 EXECUTE='import sys, nbformat, nbclient
 nb = nbformat.read(sys.argv[1], as_version=4)
@@ -76,8 +83,7 @@ for stage in $stages; do
     quant_sweep) run quant_sweep 500 python3 -m nanovllm.quant_bench --sweep-int8 \
       --out "$OUT/int8_sweep_h200.json" ;;
     serve_load)
-      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/web .webwhl/*.whl \
-        && export PYTHONPATH=$PYTHONPATH:/tmp/web
+      web_wheels
       python3 -m nanovllm.serve nanovllm/configs/qwen3-0.6b --port 8765 --log-level warning \
         --option load_format=dummy --option gpu_memory_utilization=0.5 >"$OUT/serve_server.log" 2>&1 &
       server=$!
@@ -97,6 +103,16 @@ for _ in range(360):
       for nb in ${CHAPTERS:-chapters/04_*.ipynb}; do
         name=$(basename "$nb" .ipynb)
         run "$name.executed" 300 env NANOVLLM_KEEP_FIGURES=1 python3 -c "$EXECUTE" "$nb" "$OUT/$name.gpu.ipynb"
+      done ;;
+    book_gpu)
+      if [ -d .whl ]; then notebook_wheels; fi
+      if [ -d .webwhl ]; then web_wheels; fi
+      export PYTHONPATH=$PYTHONPATH:/tmp/site:/tmp/web:$PWD/tests/gpu
+      for nb in ${CHAPTERS:-chapters/[0-9][0-9]_*.ipynb}; do
+        name=$(basename "$nb" .ipynb)
+        run "$name" 400 env NANOVLLM_KEEP_FIGURES=1 PYTHONHASHSEED=0 NBVAL_RECORD_DIR="$OUT" \
+          python3 -m pytest --nbval-lax "$nb" --nbval-current-env \
+          --nbval-sanitize-with chapters/sanitize.cfg -p no:cacheprovider -q -p nbval_record
       done ;;
     chapters)
       notebook_wheels
