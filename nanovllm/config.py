@@ -93,6 +93,8 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV-cache block
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # "auto": Triton on CUDA, torch elsewhere; "flash_attn": FlashAttention-4 (flash-attn-4,
+    # Hopper or newer, bf16/fp16), never chosen by "auto" (see nanovllm/layers/attention.py).
     attention_backend: str = "auto"
     enforce_eager: bool = False  # True disables CUDA graphs
     # Plan step n+1 on the CPU while the GPU computes step n (chapter 11); None: on for CUDA.
@@ -215,8 +217,11 @@ class EngineConfig:
                 f"{self.attention_backend!r}). Use attention_backend='torch', or "
                 "kv_cache_dtype='auto'"
             )
-        if backend == "flash_attn":
-            raise ValueError("attention_backend='flash_attn' needs the flash-attn package")
+        if backend == "flash_attn":  # FlashAttention-4 (chapter 11): GPU, package, dtype
+            from nanovllm.layers.flash_attention import check_flash_attn
+
+            check_flash_attn(self.device, self.dtype, self.block_size, self.kv_cache_dtype)
+            return
         if backend != "triton":
             return
         if importlib.util.find_spec("triton") is None:

@@ -27,7 +27,7 @@ from nanovllm.engine.sampling_metadata import SamplingInputs
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 from nanovllm.engine.step import InFlight, PreparedBatch, StepPlan
-from nanovllm.layers.attention import Attention, select_backend
+from nanovllm.layers.attention import GPU_BACKENDS, Attention, select_backend
 from nanovllm.layers.fused import set_fused_kernels
 from nanovllm.layers.logits_processors import process_logits
 from nanovllm.layers.quantization import process_weights_after_loading
@@ -72,8 +72,8 @@ class ModelRunner:
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attention_layers:
             layer.backend = self.backend
-        # The Triton backend brings fused norm, RoPE and activation kernels too (chapter 11).
-        set_fused_kernels(self.model, self.backend.name == "triton")
+        # The GPU backends bring fused norm, RoPE and activation kernels too (chapter 11).
+        set_fused_kernels(self.model, self.backend.name in GPU_BACKENDS)
         if self.device.type == "cuda":
             self._warm_up()  # measures peak activation memory before sizing the KV cache
         # Every rank's cache must hold the same blocks: the smallest budget wins.
@@ -87,7 +87,7 @@ class ModelRunner:
         if (
             self.device.type == "cuda"
             and not config.enforce_eager
-            and self.backend.name == "triton"
+            and self.backend.name in GPU_BACKENDS
         ):
             self._capture_graphs()
 

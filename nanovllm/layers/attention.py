@@ -5,9 +5,12 @@ everything cached for each sequence. Which code does that is the *backend*:
 
 - ``torch``: the PyTorch reference (``torch_attention.py``), any device;
 - ``triton``: our Triton kernels (``nanovllm/kernels``), CUDA (or CPU under the interpreter);
-- ``flash_attn``: the flash-attn package, when it is installed.
+- ``flash_attn``: FlashAttention-4's CuTe-DSL kernels (optional package ``flash-attn-4``)
+  on Hopper or newer GPUs, bf16/fp16, no fp8 cache (``flash_attention.py``).
 
-``attention_backend="auto"`` takes the fastest one available on the device.
+``attention_backend="auto"`` takes Triton on CUDA and torch elsewhere: it does not pick
+``flash_attn`` (chapter 11 compares the two on an H200). ``GPU_BACKENDS`` bring the fused
+Triton kernels along and run decode steps in CUDA graphs (``model_runner.py``).
 
 With ``kv_cache_dtype="fp8"`` (chapter 08) the cache holds e4m3 values, ``K / k_scale`` and
 ``V / v_scale``: the Triton kernels read it directly (``store_kv`` quantizes, decode and
@@ -31,6 +34,8 @@ from torch import nn
 from nanovllm.context import get_attention_metadata
 from nanovllm.layers import torch_attention
 from nanovllm.layers.quantization.kv_cache import DEFAULT_KV_SCALE, fp8_kv_backend
+
+GPU_BACKENDS = ("triton", "flash_attn")
 
 
 def _triton_backend(k_scale: float = 1.0, v_scale: float = 1.0) -> SimpleNamespace:
@@ -109,7 +114,14 @@ def select_backend(
             backend.kv_cache_dtype = "fp8"
         return backend
     if name == "flash_attn":
-        raise ValueError("attention_backend='flash_attn' needs the flash-attn package")
+        from nanovllm.layers.flash_attention import flash_attention_backend
+
+        if fp8:  # EngineConfig refuses this earlier (check_flash_attn); direct callers here
+            raise ValueError(
+                "attention_backend='flash_attn' does not read an fp8 KV cache; use "
+                "attention_backend='triton' with kv_cache_dtype='fp8'"
+            )
+        return flash_attention_backend()
     raise ValueError(f"unknown attention backend {name!r}")
 
 

