@@ -343,21 +343,24 @@ display(Markdown("```python\n" + inspect.getsource(llm.engine.step.__func__) + "
 # We can drive that loop by hand. Four greedy requests with 13-token prompts that want 2, 4, 6 and 8
 # new tokens (`ignore_eos=True` makes the lengths exact) go in, with our own request ids; after
 # each step we print how many requests the step reported on, how many of those finished, and how
-# many KV blocks are in use (a block holds `block_size` tokens of one sequence).
+# many KV blocks are in use (a block holds `block_size` tokens of one sequence). We use a second,
+# small engine for this (64 KV blocks), with async scheduling off, so that each step reports its
+# own tokens on every device; a GPU turns async scheduling on by default, and then every report
+# arrives one step later (chapter 11).
 
 # %%
 # NBVAL_CHECK_OUTPUT
-engine = llm.engine
-print("block_size:", engine.config.block_size, "tokens")
+stepper = LLM(smollm2_path(), dtype="float32", async_scheduling=False, num_kv_blocks=64).engine
+print("block_size:", stepper.config.block_size, "tokens")
 for i, n in enumerate([2, 4, 6, 8]):
-    engine.add_request(f"story-{i}", f"Story number {i}: a robot, a cat and a dog",
-                       SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    stepper.add_request(f"story-{i}", f"Story number {i}: a robot, a cat and a dog",
+                        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
 step = 0
-while engine.has_unfinished_requests():
-    reports = engine.step()
+while stepper.has_unfinished_requests():
+    reports = stepper.step()
     step += 1
     done = sum(r.finished for r in reports)
-    used = engine.block_manager.num_blocks - engine.block_manager.num_free_blocks
+    used = stepper.block_manager.num_blocks - stepper.block_manager.num_free_blocks
     print(f"step {step}: tokens for {len(reports)} requests, {done} finished; KV blocks in use: {used}")
 print("the last step's report:", reports)
 
@@ -397,6 +400,7 @@ print(f"{out.text!r}: {len(out.prompt_token_ids)} prompt tokens, "
 # so far, that were found in the cache instead of being computed.
 
 # %%
+engine = llm.engine
 bm = engine.block_manager
 print(f"KV cache: {bm.num_blocks} blocks x {engine.config.block_size} tokens "
       f"= {bm.num_blocks * engine.config.block_size:,} tokens")

@@ -662,7 +662,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nanovllm.context import attention_metadata
 
-tokenizer = AutoTokenizer.from_pretrained(path)
+tokenizer = AutoTokenizer.from_pretrained(path, clean_up_tokenization_spaces=False)
 text = "The capital of France is Paris. The capital of Germany is"
 ids = torch.tensor(tokenizer(text).input_ids)
 print(f"{len(ids)} prompt tokens:", ids.tolist())

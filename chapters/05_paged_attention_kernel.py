@@ -608,7 +608,8 @@ if torch.cuda.is_available():
     params = SamplingParams(temperature=0, max_tokens=32)
     answers = {}
     for backend in ("torch", "triton"):
-        llm = LLM(model, load_format=load_format, dtype="float32", attention_backend=backend)
+        llm = LLM(model, load_format=load_format, dtype="float32", attention_backend=backend,
+                  num_kv_blocks=256)  # a fixed cache: the two engines share the GPU
         llm.generate(prompts, params, use_tqdm=False)  # warm-up (Triton compiles here)
         start = time.perf_counter()
         answers[backend] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

@@ -102,8 +102,12 @@ print(f"device: {device}, torch threads: {torch.get_num_threads()} (was {saved_t
 
 
 def make_llm(**options) -> LLM:
-    """A SmolLM2 engine in float32 with a small KV cache; options are EngineConfig fields."""
+    """A SmolLM2 engine in float32 with a small KV cache; options are EngineConfig fields.
+
+    Async scheduling is off, so step counts are the same on every device (a GPU turns it on by
+    default and then reports each step's tokens one step later, chapter 11)."""
     options.setdefault("num_kv_blocks", 128)
+    options.setdefault("async_scheduling", False)
     return LLM(PATH, dtype="float32", **options)
 
 

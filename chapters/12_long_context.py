@@ -69,6 +69,7 @@ from nanovllm.weights.loader import load_safetensors
 
 torch.set_num_threads(1)  # tiny models: OpenMP threads on two shared cores only compete
 transformers.logging.set_verbosity_error()
+transformers.logging.disable_progress_bar()  # save_pretrained's bar would differ by machine
 use_book_style()
 DATA = figures_dir() / "data"
 SMOLLM2 = smollm2_path()
@@ -476,7 +477,8 @@ hf_mistral = tiny_hf("MistralForCausalLM", work / "mistral", sliding_window=12)
 expected = [hf_greedy(hf_mistral, p, 10) for p in prompts]
 print("window read from config.json:", ModelConfig.from_pretrained(work / "mistral").sliding_window)
 for chunk in (64, 16):
-    llm = LLM(work / "mistral", block_size=16, max_num_batched_tokens=chunk)
+    llm = LLM(work / "mistral", block_size=16, max_num_batched_tokens=chunk, dtype="float32",
+              num_kv_blocks=64)
     got = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
     print(f"max_num_batched_tokens {chunk}: greedy tokens equal transformers':", got == expected)
 
@@ -578,7 +580,7 @@ with torch.no_grad(), attention_metadata(None):
     gap = (ours_qwen2.compute_logits(ours_qwen2(ids, torch.arange(50)))
            - hf_qwen2(ids[None]).logits[0]).abs().max().item()
 print("Qwen2 logits within 1e-4 of transformers':", gap < 1e-4)
-llm = LLM(work / "qwen2", block_size=16)
+llm = LLM(work / "qwen2", block_size=16, dtype="float32", num_kv_blocks=64)
 got = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
 print("Qwen2 greedy tokens equal transformers':", got == [hf_greedy(hf_qwen2, p, 10)
                                                           for p in prompts])

@@ -332,7 +332,19 @@ class ModelRunner:
         """Stop the tensor-parallel workers, if any (idempotent; ``polite``: see
         ``TPExecutor.shutdown``)."""
         if self.executor is not None:
+            # Only with every worker alive: after a death an NCCL kernel may wait for the lost
+            # peer forever, and synchronizing would wait with it (the abort then frees it).
+            if polite and all(p.poll() is None for p in self.executor.workers):
+                self.release_graphs()
             self.executor.shutdown(polite)
+
+    def release_graphs(self) -> None:
+        """Drop the captured CUDA graphs. A tensor-parallel rank does this before it leaves
+        its process groups: graphs that captured NCCL collectives keep the communicators in
+        use, and tearing those down then waits (chapter 09)."""
+        self.graphs = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _sampling_inputs(self, seqs: list[Sequence]) -> tuple:
         return self.sampling_inputs.build(seqs, (self._in_flight_tokens, self._in_flight_rows))

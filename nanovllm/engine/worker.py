@@ -62,6 +62,7 @@ def main() -> None:
         elif message[0] == "call":
             getattr(runner, message[1])(*message[2])
         else:  # "stop": leave the groups together with rank 0, then go
+            runner.release_graphs()
             distributed.destroy_tensor_parallel(together=True)
             sys.stdout.flush()
             os._exit(0)
