@@ -6,7 +6,7 @@
 #   make notebooks [CH=02]      regenerate chapters/NN_*.ipynb from the .py and execute them
 #   make lint                   ruff + the .py/.ipynb pairing check
 #   make test-gpu               GPU tests + every chapter executed in lax mode (on a GPU machine)
-#   make bench [BENCH_ARGS=..]  python -m nanovllm.bench
+#   make bench [BENCH_ARGS=..]  python -m nanovllm.benchmarks.throughput
 #   make student [CHAPTERS=04]  student edition in dist/student (STUDENT_OUT=...)
 #   make grade [STUDENT=path]   grade a student's package with these tests
 #   make book                   the rendered book (HTML) in build/book/_build/html (book/)
@@ -109,14 +109,14 @@ lint: $(SETUP)
 # workload), then every chapter executed in lax mode.
 test-gpu: weights
 	$(PY) -m pytest -m gpu tests || [ $$? -eq 5 ]  # 5: no GPU tests collected
-	$(PY) -m nanovllm.bench --decode-step
-	$(PY) -m nanovllm.bench --model qwen3-0.6b --num-requests 64
+	$(PY) -m nanovllm.benchmarks.decode_step
+	$(PY) -m nanovllm.benchmarks.throughput --model qwen3-0.6b --num-requests 64
 ifneq ($(NOTEBOOKS),)
 	NANOVLLM_KEEP_FIGURES=1 $(PY) -m pytest --nbval-lax chapters/ $(NBVAL)
 endif
 
 bench: $(SETUP)
-	$(PY) -m nanovllm.bench $(BENCH_ARGS)
+	$(PY) -m nanovllm.benchmarks.throughput $(BENCH_ARGS)
 
 # The course (nanovllm/course, chapters/INSTRUCTORS.md): cut the assignment regions of CHAPTERS
 # (all by default) into a student edition; grade a student's copy with this repo's tests.

@@ -43,7 +43,7 @@
 # backend: `causal_attention`, `paged_attention`), `nanovllm/layers/attention.py` (the layer
 # and its backend dispatch), `nanovllm/context.py` (`AttentionMetadata`),
 # `nanovllm/kernels/prefill_attention.py` (the Triton varlen paged prefill kernel) and
-# `nanovllm/kernels/bench_prefill.py` (its benchmark).
+# `nanovllm/benchmarks/prefill_kernel.py` (its benchmark).
 
 # %% [markdown]
 # ## Setup
@@ -914,14 +914,14 @@ check("Triton kernel, fp16, vs float64 reference", out16, ref16, 5e-3)
 # %% [markdown]
 # On a GPU the next cell times the kernel live on the benchmark's prefill shape (a few hundred
 # prompts of up to about a thousand tokens, with Qwen3-0.6B's attention heads, in bf16), with
-# the functions of `nanovllm/kernels/bench_prefill.py`, against PyTorch's `varlen_attn` on
+# the functions of `nanovllm/benchmarks/prefill_kernel.py`, against PyTorch's `varlen_attn` on
 # contiguous K/V where this PyTorch has it. On a CPU it only says so; section 7 plots the
 # results recorded on an H200.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 if device == "cuda":
-    from nanovllm.kernels import bench_prefill as bp
+    from nanovllm.benchmarks import prefill_kernel as bp
 
     bench_seqs = [(n, n) for n in bp.prompt_lengths()]
     flops = bp.attention_flops(bench_seqs, *bp.QWEN3_0_6B[::2])
@@ -1021,7 +1021,7 @@ for backend, seconds in engine_seconds.items():
 #
 # ## 7. Recorded on an H200
 #
-# `python -m nanovllm.kernels.bench_prefill` times the kernel on the benchmark's prefill shape
+# `python -m nanovllm.benchmarks.prefill_kernel` times the kernel on the benchmark's prefill shape
 # and, in the same run, PyTorch's `torch.nn.attention.varlen.varlen_attn` (FlashAttention
 # through PyTorch) on the same values stored *contiguously*, the layout that needs no block
 # table. Throughput counts useful FLOPs only,
@@ -1055,7 +1055,7 @@ BAR_LABELS = {"ours, block 256": "ours, paged\n(block 256)", "ours, block 16":
               "ours, paged\n(block 16)", "varlen_attn": "torch varlen_attn\n(contiguous)"}
 
 
-from nanovllm.kernels.bench_prefill import prompt_lengths
+from nanovllm.benchmarks.prefill_kernel import prompt_lengths
 
 defaults = inspect.signature(prompt_lengths).parameters
 lens = prompt_lengths()

@@ -652,14 +652,15 @@ print("cache tensor bytes == blocks x bytes per block:",
 #
 # We compare the two on two request mixes, both with `max_model_len` = 4,096:
 #
-# - **benchmark**: the 256 requests of the nano-vllm benchmark (`nanovllm.bench.make_workload`,
-#   seed 0): prompts of 100–1,024 tokens and outputs of 100–1,024 tokens, both uniform;
+# - **benchmark**: the 256 requests of the nano-vllm benchmark
+#   (`nanovllm.benchmarks.workload.make_workload`, seed 0): prompts of 100–1,024 tokens and
+#   outputs of 100–1,024 tokens, both uniform;
 # - **long tail**: 256 chat-like requests, prompt and output lengths drawn from lognormal
 #   distributions (seed 0; median prompt 300, median output 200 tokens), so most requests are
 #   short and a few are very long, capped at the model length.
 
 # %%
-from nanovllm.bench import make_workload
+from nanovllm.benchmarks.workload import make_workload
 
 BLOCK_SIZE = 16
 bench = make_workload("nano-vllm", seed=0)

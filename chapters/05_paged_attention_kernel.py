@@ -33,7 +33,7 @@
 #
 # Package modules taught here: `nanovllm/kernels/decode_attention.py` (the decode kernel),
 # `nanovllm/kernels/store_kv.py` (the cache-write kernel), the `triton` backend in
-# `nanovllm/layers/attention.py`, and the benchmark `nanovllm/kernels/bench_decode.py`.
+# `nanovllm/layers/attention.py`, and the benchmark `nanovllm/benchmarks/decode_kernel.py`.
 
 # %% [markdown]
 # ## Setup
@@ -628,8 +628,8 @@ else:
 #   + \underbrace{2\,B\,H\,d\,e}_{q\text{ in, }o\text{ out}},$$
 #
 # and the fastest it could possibly run is that number divided by the memory bandwidth: the
-# **roofline** of a memory-bound kernel. `nanovllm/kernels/bench_decode.py` measured the kernel
-# on an H200 (`python -m nanovllm.kernels.bench_decode`, Qwen3-0.6B's attention shape, bf16,
+# **roofline** of a memory-bound kernel. `nanovllm/benchmarks/decode_kernel.py` measured the kernel
+# on an H200 (`python -m nanovllm.benchmarks.decode_kernel`, Qwen3-0.6B's attention shape, bf16,
 # blocks scattered in shuffled order over a pool much larger than the 60 MB L2 cache, each call
 # timed inside a CUDA graph so that only device time counts). It also measured, in the same
 # run, the copy bandwidth (the ceiling) and PyTorch's `scaled_dot_product_attention` on the
@@ -746,7 +746,7 @@ plt.show()
 # bf16, block size 16) with `triton.testing.do_bench` and reports the bandwidth it reached, so
 # you can compare your GPU with the H200. (It does not rotate over several caches as the
 # benchmark does, so part of the data may come from the L2 cache; run
-# `python -m nanovllm.kernels.bench_decode` for the careful measurement.)
+# `python -m nanovllm.benchmarks.decode_kernel` for the careful measurement.)
 
 # %%
 # NBVAL_IGNORE_OUTPUT

@@ -36,7 +36,7 @@
 #
 # Package modules taught here: `nanovllm/engine/cuda_graphs.py` (`batch_buckets`, `StaticInputs`,
 # `DecodeGraphs`), where `nanovllm/engine/model_runner.py` switches graphs on, and
-# `decode_step_benchmark` in `nanovllm/decode_step_bench.py`.
+# `decode_step_benchmark` in `nanovllm/benchmarks/decode_step.py`.
 
 # %% [markdown]
 # ## Setup
@@ -588,21 +588,22 @@ print("caches identical (the -1 slot wrote nothing):",
 # %% [markdown]
 # ## 4. Switched on in the engine: the measured speedup
 #
-# `decode_step_benchmark` in `nanovllm/decode_step_bench.py` times one engine decode step (prepare the
-# inputs, run the model, sample, wait for the tokens) of Qwen3-0.6B with random weights at
-# context 1024, for a few batch sizes, eager (`runner.graphs = None`) and with the captured
-# graphs. It does so twice: first as the engine runs by default, with the fused kernels of
-# chapter 11, then with them switched off and the graphs recaptured, so that the graphs record
+# `decode_step_benchmark` in `nanovllm/benchmarks/decode_step.py` times one engine decode step
+# (prepare the inputs, run the model, sample, wait for the tokens) of Qwen3-0.6B with random
+# weights at context 1024, for a few batch sizes, eager (`runner.graphs = None`) and with the
+# captured graphs. It does so twice: first as the engine runs by default, with the fused kernels
+# of chapter 11, then with them switched off and the graphs recaptured, so that the graphs record
 # the unfused kernels (the `_unfused` keys):
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-from nanovllm import decode_step_bench
+from nanovllm.benchmarks import decode_step
 
-show_source(decode_step_bench.decode_step_benchmark)
+show_source(decode_step.decode_step_benchmark)
 
 # %% [markdown]
-# It ran on an H200 with `python -m nanovllm.bench --decode-step --out ...`. The recorded
+# It ran on an H200 with `python -m nanovllm.bench --decode-step --out ...` (now also
+# `python -m nanovllm.benchmarks.decode_step`). The recorded
 # results (on a GPU, the cell after the figure measures your own):
 
 # %%
@@ -788,7 +789,7 @@ plt.show()
 # %%
 # NBVAL_IGNORE_OUTPUT
 if torch.cuda.is_available():
-    for row in decode_step_bench.decode_step_benchmark("qwen3-0.6b", [1, 8, 32], 1024, iters=10):
+    for row in decode_step.decode_step_benchmark("qwen3-0.6b", [1, 8, 32], 1024, iters=10):
         unfused = row["eager_unfused_ms"] / row["graphs_unfused_ms"]
         print(f"batch {row['batch']:3d}: eager {row['eager_ms']:6.1f} ms, "
               f"graphs {row['graphs_ms']:6.2f} ms ({row['speedup']:4.1f}x) | without fusion: "

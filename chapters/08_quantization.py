@@ -41,8 +41,8 @@
 # per-row scales; `int8.py`: W8A16; `fp8.py`: W8A8; `fp8_checkpoint.py`: pre-quantized
 # checkpoints; `kv_cache.py`: the fp8 KV cache; `base.py` and `__init__.py`: how a method plugs
 # into a linear layer), `nanovllm/kernels/int8_gemm.py` (the W8A16 Triton GEMM) and
-# `nanovllm/quant_eval.py` (the accuracy table). `EngineConfig` switches them on with vLLM's
-# names: `quantization=None | "int8" | "fp8"` and `kv_cache_dtype="auto" | "fp8"`.
+# `nanovllm/benchmarks/quant_eval.py` (the accuracy table). `EngineConfig` switches them on with
+# vLLM's names: `quantization=None | "int8" | "fp8"` and `kv_cache_dtype="auto" | "fp8"`.
 #
 # On a 2-core CPU the whole chapter runs in about two minutes: the accuracy table (section 8)
 # is sized for that (four short texts, eight generated tokens each), and the Triton kernel runs
@@ -416,7 +416,7 @@ for key in ((0, "self_attn.q_proj"), (0, "self_attn.o_proj"), (29, "mlp.down_pro
 # runs the model once over a text and records the input of every linear layer.
 
 # %%
-from nanovllm.quant_eval import TEXTS, layer_inputs
+from nanovllm.benchmarks.quant_eval import TEXTS, layer_inputs
 
 reference = LLM(SMOLLM2, device="cpu", dtype="float32", num_kv_blocks=64,
                 enable_prefix_caching=False)
@@ -618,7 +618,7 @@ for layer_name, (n, k) in qwen8_layers.items():
 # %% [markdown]
 # At $M = 1$ the `o_proj` and `down_proj` layers have only 128 column tiles for 132 SMs, so
 # the kernel splits K in 4 (512 programs) to have at least two programs per SM; `qkv_proj`
-# splits in 2, `gate_up_proj` has tiles enough. The tile sizes are a first guess, not yet tuned on the H200 (`python -m nanovllm.quant_bench --sweep-int8` times a grid
+# splits in 2, `gate_up_proj` has tiles enough. The tile sizes are a first guess, not yet tuned on the H200 (`python -m nanovllm.benchmarks.quantization --sweep-int8` times a grid
 # of them).
 #
 # Does it compute the right numbers? On a CPU the kernel runs under the Triton interpreter, so
@@ -969,7 +969,7 @@ print(f"fp8 / bf16 blocks: {blocks['fp8'] / blocks['auto']:.0f}x; KV bytes per t
 #
 # ## 8. Accuracy on SmolLM2, measured live
 #
-# `nanovllm/quant_eval.py` compares each variant with the unquantized engine of the same model,
+# `nanovllm/benchmarks/quant_eval.py` compares each variant with the unquantized engine of the same model,
 # device and dtype:
 #
 # * **layer SQNR**: every linear layer's output on its real input, exact against quantized
@@ -989,7 +989,7 @@ print(f"fp8 / bf16 blocks: {blocks['fp8'] / blocks['auto']:.0f}x; KV bytes per t
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-from nanovllm.quant_eval import evaluate, format_table
+from nanovllm.benchmarks.quant_eval import evaluate, format_table
 
 del int8_llm  # (memory: evaluate builds its own engines, one at a time)
 eval_start = time.perf_counter()
@@ -1036,10 +1036,10 @@ print("median layer SQNR, int8 at least 8 dB above fp8:",
 #
 # A CPU tells us nothing about GPU speed: here the int8 path is `torch._weight_int8pack_mm` or a
 # dequantize-then-fp32 matmul, and fp8 is emulated. The speed and memory numbers come from
-# `python -m nanovllm.quant_bench` on an H200 (Qwen3-0.6B and Qwen3-8B shapes, random weights,
+# `python -m nanovllm.benchmarks.quantization` on an H200 (Qwen3-0.6B and Qwen3-8B shapes, random weights,
 # bf16): weight bytes, KV-cache blocks at the same memory budget, the engine's decode step at
 # batch 1, 64 and 256 (context 1024, CUDA graphs), each layer's GEMM alone, and the nano-vllm
-# workload's throughput; and `python -m nanovllm.quant_eval` repeats section 8 on the GPU in
+# workload's throughput; and `python -m nanovllm.benchmarks.quant_eval` repeats section 8 on the GPU in
 # bf16. Both write JSON to `figures/data/`:
 
 # %%
@@ -1204,7 +1204,7 @@ else:
 # * **int8 at batch 1 on Qwen3-8B** is where weight bytes bound the step: 5.60 → 4.50 ms, a
 #   1.24× speed-up, against a byte ratio of 16.4 / 9.4 GB = 1.74×. Our kernel turns about a
 #   third of the possible gain into time; streaming int8 codes as fast as cuBLAS streams bf16
-#   needs better-tuned tiles than ours (`python -m nanovllm.quant_bench --sweep-int8` is the
+#   needs better-tuned tiles than ours (`python -m nanovllm.benchmarks.quantization --sweep-int8` is the
 #   tool to start from).
 # * **At batch 64 and 256** int8 *loses* (0.77× and 0.70× on Qwen3-8B): past the ridge the
 #   step is bound by arithmetic, where widening the codes in registers costs work that cuBLAS's

@@ -27,11 +27,11 @@
 # latency and memory, measured on the H200; how the engine reaches long contexts (RoPE
 # scaling); and how to run the benchmark yourself.
 #
-# Package modules used: `nanovllm/bench.py` (the benchmark, `make_workload`,
-# `bandwidth_bound_seconds`, `decode_step_benchmark`), `nanovllm/profiling.py` (a profile of
-# decode steps), `nanovllm/tuning.py` (the knob sweep), `nanovllm/kernels/rmsnorm.py`,
-# `rope.py` and `activation.py` (the fused kernels), `nanovllm/engine/llm_engine.py` and
-# `model_runner.py` (async scheduling, the KV-cache budget), `nanovllm/config.py` (the knobs)
+# Package modules used: `nanovllm/benchmarks/` (`throughput.py` the benchmark, `workload.py` its
+# requests with `make_workload` and `bandwidth_bound_seconds`, `decode_step.py`, `profiling.py` a
+# profile of decode steps, `tuning.py` the knob sweep), `nanovllm/kernels/rmsnorm.py`, `rope.py`
+# and `activation.py` (the fused kernels), `nanovllm/engine/llm_engine.py` and `model_runner.py`
+# (async scheduling, the KV-cache budget), `nanovllm/config.py` (the knobs)
 # and `nanovllm/layers/rotary.py` (RoPE scaling).
 
 # %% [markdown]
@@ -58,7 +58,7 @@ import numpy as np
 from IPython.display import Markdown, display
 
 from nanovllm import LLM, SamplingParams, smollm2_path
-from nanovllm.bench import bandwidth_bound_seconds, make_workload
+from nanovllm.benchmarks.workload import bandwidth_bound_seconds, make_workload
 from nanovllm.configs import config_path
 from nanovllm.models import ModelConfig, get_model_class
 from nanovllm.viz import BOOK_COLORS, figures_dir, save_figure, use_book_style
@@ -342,7 +342,7 @@ plt.show()
 #
 # `python -m nanovllm.bench --decode-step` timed single decode steps of Qwen3-0.6B at context
 # 1024 (chapter 07), with the engine's fused kernels on (its default) and off, and
-# `python -m nanovllm.kernels.bench_decode` timed the attention kernel alone at the same
+# `python -m nanovllm.benchmarks.decode_kernel` timed the attention kernel alone at the same
 # shapes (chapter 05). Together they take one step apart; we start with the kernels off, as
 # the engine was at the baseline:
 
@@ -485,7 +485,7 @@ for r in graphs_rec["rows"]:
 #    requests), and goes back to 1.
 #
 # The GPU works only between 2 and 3; during 4, 1 and 2 it waits for the CPU. To see how long,
-# `python -m nanovllm.profiling` ran the benchmark workload on the H200 until all 256
+# `python -m nanovllm.benchmarks.profiling` ran the benchmark workload on the H200 until all 256
 # requests were decoding and then recorded 8 steps with PyTorch's profiler: the CPU's phases
 # (the engine's methods wrapped in profiler ranges) and every GPU kernel. First with the loop
 # above:
@@ -747,7 +747,7 @@ for lo, hi in ((1, 16), (17, 64), (65, 255), (256, 256)):
 # | `block_size` | 16 | tokens per KV block: waste in last blocks, prefix granularity |
 # | `gpu_memory_utilization` | 0.9 | GPU memory share; what weights leave is KV cache |
 #
-# `python -m nanovllm.tuning` ran the benchmark on the H200 once per setting, changing one knob
+# `python -m nanovllm.benchmarks.tuning` ran the benchmark on the H200 once per setting, changing one knob
 # at a time from the benchmark's defaults (`enforce_eager`, which switches CUDA graphs off, is
 # in the sweep too). Besides throughput it records the mean time to first token (TTFT: from
 # arrival to the first token, which with all 256 requests arriving at once is mostly waiting)
@@ -1043,8 +1043,9 @@ for ctx in (8_192, 32_768, 131_072):
 #
 # ## 7. Run the benchmark yourself
 #
-# `python -m nanovllm.bench` (or `make bench BENCH_ARGS="..."`) picks its defaults from the
-# device: on a CPU, SmolLM2 with its real weights and the small `cpu` workload; on a GPU,
+# `python -m nanovllm.bench` (short for `python -m nanovllm.benchmarks.throughput`; or `make bench
+# BENCH_ARGS="..."`) picks its defaults from the device: on a CPU, SmolLM2 with its real weights
+# and the small `cpu` workload; on a GPU,
 # Qwen3-0.6B with random weights and the nano-vllm workload.
 
 # %%
@@ -1073,7 +1074,8 @@ print("         --num-requests N, --workload {nano-vllm,cpu}, --model PATH_OR_SH
 # %%
 # NBVAL_IGNORE_OUTPUT
 if torch.cuda.is_available():
-    from nanovllm.bench import copy_bandwidth, free, run_nanovllm
+    from nanovllm.benchmarks.throughput import copy_bandwidth
+    from nanovllm.benchmarks.workload import free, run_nanovllm
 
     free(llm)  # section 5's engine holds most of the GPU's memory for its KV cache
 
@@ -1095,8 +1097,9 @@ else:
 # kv_bytes_per_token, weight_bytes, bandwidth)`: the least time to run a workload if every
 # decode step reads all weights once and each sequence's whole KV cache so far, with all
 # requests decoding together (section 2). The check tries hand-worked workloads, then random
-# ones against a step-by-step count of the bytes read (`nanovllm.bench.bandwidth_bound_seconds`
-# computes the same bound from a model config).
+# ones against a step-by-step count of the bytes read
+# (`nanovllm.benchmarks.workload.bandwidth_bound_seconds` computes the same bound from a model
+# config).
 
 # %% tags=["exercise"]
 def bound_seconds(prompt_lens, output_lens, kv_bytes_per_token, weight_bytes, bandwidth):

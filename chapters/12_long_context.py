@@ -37,7 +37,7 @@
 # `sliding_window`), `nanovllm/models/qwen2.py`, `nanovllm/models/mistral.py`,
 # `nanovllm/models/registry.py`, the window in `nanovllm/layers/torch_attention.py`,
 # `nanovllm/layers/attention.py` and the Triton kernels (`kernels/prefill_attention.py`,
-# `kernels/decode_attention.py`), and `nanovllm/long_context.py` (perplexity by position).
+# `kernels/decode_attention.py`), and `nanovllm/benchmarks/long_context.py` (perplexity by position).
 #
 # The chapter runs in about a minute on a 2-core CPU: tiny random models for the parity
 # checks, and the long-text perplexity from a record made with the package's own command
@@ -299,7 +299,7 @@ for n in (16, 40, 96, 128):
 #
 # ## 4. Perplexity past the trained length
 #
-# Does scaling work on a real model? `nanovllm/long_context.py` feeds the first 10,240 tokens
+# Does scaling work on a real model? `nanovllm/benchmarks/long_context.py` feeds the first 10,240 tokens
 # of the public-domain text shipped with the package (*Alice in Wonderland*, chapters I–V,
 # 15,701 SmolLM2 tokens; `nanovllm/data/README.md`) to the engine as **one** prompt, with
 # `prompt_logprobs=0` (chapter 01) and chunked prefill, and keeps every token's negative
@@ -325,7 +325,7 @@ print(f"{record['tokens']} tokens, bins of {record['bin_size']}, trained length 
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from nanovllm import long_context
+from nanovllm.benchmarks import long_context
 
 text_ids = long_context.text_ids(SMOLLM2)
 head = text_ids[: record["bin_size"] + 1]

@@ -1,4 +1,4 @@
-"""``nanovllm.quant_bench`` (chapter 08's speed and memory tool) runs end to end on CPU.
+"""``nanovllm.benchmarks.quantization`` (chapter 08's speed and memory tool) runs end to end on CPU.
 
 The real measurements need an H200 (``tests/gpu/h200_session.sh quant``); here the tool runs
 in-process on a tiny random Qwen3 with the CPU sizes (a few seconds) and the JSON it writes
@@ -12,10 +12,10 @@ import json
 
 import pytest
 
+from nanovllm.benchmarks.gemm import layer_gemms
+from nanovllm.benchmarks.quantization import main, split_variant
 from nanovllm.configs import config_path
-from nanovllm.gemm_bench import layer_gemms
 from nanovllm.models import ModelConfig
-from nanovllm.quant_bench import main, split_variant
 
 TINY = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64,
@@ -39,7 +39,8 @@ def test_cpu_smoke_run_writes_the_schema(tmp_path, capsys):
 
     for key in ("device", "date", "command", "torch", "triton"):
         assert isinstance(result[key], str), key
-    assert result["command"].startswith("python -m nanovllm.quant_bench --device cpu")
+    assert result["command"].startswith("python -m nanovllm.benchmarks.quantization --device cpu")
+    assert "--out" not in result["command"]  # where it was written is not part of the record
     assert result["errors"] == []
     assert set(result["weight_bytes"]["tiny"]) == {"bf16", "int8", "fp8"}
     assert all(isinstance(v, int) for v in result["weight_bytes"]["tiny"].values())

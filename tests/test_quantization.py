@@ -558,7 +558,7 @@ def test_gpu_bf16_engine_with_graphs(tiny_dir, method):
 
 
 def test_quant_eval_table(tiny_dir):
-    from nanovllm.quant_eval import evaluate, format_table, split_variant
+    from nanovllm.benchmarks.quant_eval import evaluate, format_table, split_variant
 
     assert split_variant("int8+kv-fp8") == ("int8", "fp8")
     with pytest.raises(ValueError, match="unknown variant part 'int4'"):
@@ -574,7 +574,7 @@ def test_quant_eval_table(tiny_dir):
 
 
 def test_quant_eval_scores_the_shipped_public_domain_text():
-    from nanovllm.quant_eval import SHIPPED_TEXT, text_chunks
+    from nanovllm.benchmarks.quant_eval import SHIPPED_TEXT, text_chunks
 
     readme = (SHIPPED_TEXT.parent / "README.md").read_text()
     assert SHIPPED_TEXT.name in readme and "public domain" in readme.lower()

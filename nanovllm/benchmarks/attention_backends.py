@@ -28,18 +28,17 @@ largest difference between the two backends' outputs.
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.metadata
 import json
 import math
 import os
-import platform
 import sys
 import time
 from collections.abc import Callable
 
 import torch
 
+from nanovllm.benchmarks.decode_kernel import copy_bandwidth
+from nanovllm.benchmarks.metadata import package_version, run_metadata
 from nanovllm.context import AttentionMetadata
 
 HEADS, KV_HEADS, HEAD_DIM = 16, 8, 128  # Qwen3-0.6B
@@ -168,16 +167,6 @@ def measure(backends: dict, q_lens, k_lens, block_size, gen, work: float, unit: 
     return row
 
 
-def copy_bandwidth(nbytes: int = 2 * 2**30) -> float:
-    """Device-to-device copy in bytes/s, counting bytes read + written."""
-    from triton.testing import do_bench
-
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
-    return 2 * nbytes / (ms * 1e-3)
-
-
 def load_backends(device: torch.device, block_size: int) -> tuple[dict, str | None]:
     """The Triton backend, and flash_attn where it can run (else why not)."""
     from nanovllm.layers.attention import select_backend
@@ -194,7 +183,7 @@ def load_backends(device: torch.device, block_size: int) -> tuple[dict, str | No
 
 def end_to_end(names: list[str], model: str, num_requests: int | None) -> dict:
     """The nano-vllm workload with each attention backend, one engine after the other."""
-    from nanovllm.bench import free, make_workload, resolve_model, run_nanovllm
+    from nanovllm.benchmarks.workload import free, make_workload, resolve_model, run_nanovllm
 
     path, load_format = resolve_model(model, "cuda")
     work = make_workload("nano-vllm", num_requests)
@@ -238,25 +227,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("attention_backends needs a CUDA GPU")
-    import triton
 
     device = torch.device("cuda")
     backends, skipped = load_backends(device, min(args.block_sizes))
     names = list(backends)
     if skipped:
         print(f"flash_attn not measured: {skipped}", flush=True)
-    try:
-        fa_version = importlib.metadata.version("flash-attn-4")
-    except importlib.metadata.PackageNotFoundError:
-        fa_version = None
     result = {
-        "device": torch.cuda.get_device_name(),
+        **run_metadata("nanovllm.benchmarks.attention_backends", argv, "cuda"),
         "capability": ".".join(map(str, torch.cuda.get_device_capability())),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["python -m nanovllm.benchmarks.attention_backends",
-                             *(sys.argv[1:] if argv is None else argv)]),
-        "torch": torch.__version__, "triton": triton.__version__, "flash_attn_4": fa_version,
-        "python": platform.python_version(),
+        "flash_attn_4": package_version("flash-attn-4"),
         "shape": {"num_heads": HEADS, "num_kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
                   "dtype": "bfloat16"},
         "flash_attn_skipped": skipped,

@@ -27,12 +27,12 @@ import json
 import math
 import platform
 import random
-import sys
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 
 import httpx
+
+from nanovllm.benchmarks.metadata import run_metadata
 
 
 @dataclass
@@ -248,10 +248,9 @@ def main(argv: list[str] | None = None) -> dict:
             server.stop()
             engine.shutdown(wait=False)
     report = {
-        "command": " ".join(["python -m nanovllm.benchmarks.serve", *(argv or sys.argv[1:])]),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        **run_metadata("nanovllm.benchmarks.serve", argv,
+                       device_label=device or "see the server"),
         "client_host": platform.node(),
-        "device": device or "see the server",
         "base_url": base_url if not args.launch else f"launched: {args.launch}",
         "model": args.model or args.launch,
         "config": {k: vars(args)[k] for k in ("num_requests", "input_len", "output_len",

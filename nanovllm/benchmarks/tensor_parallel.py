@@ -12,7 +12,7 @@ Sections (``--sections``, default all):
   (CPU: float32, gloo, to 4 MB), eager and (GPU) replayed from a CUDA graph: latency and
   bus bandwidth, ``2 (n-1)/n * bytes / time`` (NCCL's definition);
 - ``decode``: one engine decode step at batch 1 and 64 (CPU: 8) with a context of 1024,
-  eager and with CUDA graphs, then the ``--workload`` (``nanovllm.bench``: output tokens
+  eager and with CUDA graphs, then the ``--workload`` (``workload.py``: output tokens
   per second), for each ``--models`` shape and size.
 
 Every result goes to one JSON file with the device, date and command. NCCL runs with
@@ -22,13 +22,10 @@ NVLink multicast off (``NCCL_NVLS_ENABLE=0``), as on the machines this was writt
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
 import platform
-import sys
-import time
 from pathlib import Path
 
 import torch
@@ -36,7 +33,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.bench import free, make_workload, time_workload
+from nanovllm.benchmarks.metadata import run_metadata
+from nanovllm.benchmarks.timing import time_calls
+from nanovllm.benchmarks.workload import free, make_workload, time_workload
 from nanovllm.configs import config_path
 from nanovllm.engine.executor import free_port
 
@@ -77,17 +76,7 @@ def _allreduce_rank(rank: int, world: int, port: int, sizes: list[int], queue) -
 
 def _time(fn, cuda: bool, iters: int = 20) -> float:
     """Median microseconds of ``fn`` (after warm-up), synchronizing around each call."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+    times = time_calls(fn, iters, warmup=3, device="cuda" if cuda else None)
     return sorted(times)[iters // 2] * 1e6
 
 
@@ -137,7 +126,7 @@ def parity(model: str, sizes: list[int], num_prompts: int = 8, max_tokens: int =
 
 def engine_numbers(model: str, n: int, workload: str, num_requests: int | None) -> dict:
     """Decode-step times and workload throughput of one shape at one size (bf16)."""
-    from nanovllm.decode_step_bench import decode_step_benchmark
+    from nanovllm.benchmarks.decode_step import decode_step_benchmark
 
     llm = LLM(str(config_path(model)), load_format="dummy", tensor_parallel_size=n,
               kv_cache_memory=KV_CACHE_BYTES, max_model_len=2048)
@@ -168,10 +157,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     gpu = torch.cuda.is_available()
     record = {
-        "device": f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}" if gpu
-        else f"CPU ({os.cpu_count()} cores, {platform.machine()})",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python -m nanovllm.benchmarks.tensor_parallel " + " ".join(sys.argv[1:]),
+        **run_metadata("nanovllm.benchmarks.tensor_parallel", argv, device_label=(
+            f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}" if gpu
+            else f"CPU ({os.cpu_count()} cores, {platform.machine()})")),
         "software": f"torch {torch.__version__}",
     }
     if "parity" in args.sections:

@@ -2,7 +2,7 @@
 
 ``config_path("qwen3-0.6b")`` is a folder that ``LLM(..., load_format="dummy")`` accepts.
 ``qwen3-8b`` (Qwen3-8B's dimensions: 36 layers, hidden 4096, 32 heads over 8 KV heads) is the
-larger shape of chapter 08's quantization measurements (``nanovllm/quant_bench.py``);
+larger shape of chapter 08's quantization measurements (``nanovllm/benchmarks/quantization.py``);
 ``qwen3-32b`` (64 layers, hidden 5120, 64 heads over 8 KV heads, MLP 25600) the largest shape
 of chapter 09's tensor-parallel scaling (``tests/gpu/tp_scaling.sh``).
 """

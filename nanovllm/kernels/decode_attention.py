@@ -68,7 +68,7 @@ LOG2E = 1.4426950408889634
 # num_splits=None (see choose_num_splits): split only when the batch gives fewer than
 # FULL_PROGRAMS_PER_SM programs per SM; then aim for TARGET_PROGRAMS_PER_SM, never giving a split
 # fewer than MIN_SPLIT_TOKENS keys, and never more than MAX_SPLITS splits. Tuned on an H200
-# (132 SMs) with `python -m nanovllm.kernels.bench_decode --sweep-splits`.
+# (132 SMs) with `python -m nanovllm.benchmarks.decode_kernel --sweep-splits`.
 FULL_PROGRAMS_PER_SM = 2
 TARGET_PROGRAMS_PER_SM = 4
 MIN_SPLIT_TOKENS = 64

@@ -21,11 +21,12 @@ Two regimes, two tile shapes (``pick_config``):
   grouped launch order (``GROUP_M`` row tiles share a column of weight tiles while it sits
   in L2) make it compute bound like a bf16 GEMM.
 
-The tile sizes are a first guess, not tuned on the H200 yet (``python -m nanovllm.quant_bench
---sweep-int8`` times a grid of them on the Qwen3 layer shapes and prints the best). Runs on a
-GPU, or on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1`` set before triton
-is imported; bf16 inputs are widened to fp32 there before the dot, as the interpreter's bf16
-math is wrong). Used by ``nanovllm/layers/quantization/int8.py``.
+The tile sizes are a first guess, not tuned on the H200 yet (``python -m
+nanovllm.benchmarks.quantization --sweep-int8`` times a grid of them on the Qwen3 layer shapes
+and prints the best). Runs on a GPU, or on CPU tensors under the Triton interpreter
+(``TRITON_INTERPRET=1`` set before triton is imported; bf16 inputs are widened to fp32 there
+before the dot, as the interpreter's bf16 math is wrong). Used by
+``nanovllm/layers/quantization/int8.py``.
 """
 
 from __future__ import annotations

@@ -281,7 +281,7 @@ def default_tiles(head_dim: int, device: torch.device) -> tuple[int, int, int, i
     32 still splits the tests' and chapters' short sequences into several query and key
     tiles, so the masked/unmasked split and the block lookups run as they do on a GPU.
     GPU, measured on an H200 (torch 2.11, triton 3.6) on the benchmark's prefill shape
-    (144,831 tokens, bf16, no prefix; ``python -m nanovllm.kernels.bench_prefill --sweep``):
+    (144,831 tokens, bf16, no prefix; ``python -m nanovllm.benchmarks.prefill_kernel --sweep``):
     head_dim 128 (16/8 heads): 64 rows x 32 keys, 4 warps, 2 stages -> 234 TFLOP/s at
     block_size 256, 213 at 16 (128 x 64 with 8 warps: 172/160; torch's ``varlen_attn`` on
     contiguous K/V: 165). head_dim 64 (9/3 heads): 64 x 64 -> 227/199 (``varlen_attn``

@@ -8,7 +8,7 @@
 #   profile      decode steps under torch.profiler, async scheduling off and on
 #   bench        the nano-vllm workload, then transformers on the first 32 requests
 #   bench_sync   the same workload without async scheduling
-#   tuning       the workload once per knob setting (nanovllm.tuning)
+#   tuning       the workload once per knob setting (nanovllm.benchmarks.tuning)
 #   chapters     chapters 05, 07 and 11 executed live (nbval-lax); needs the notebook wheels in
 #                .whl (fetch them with /work/shared/gpu/fetch-wheels.sh .whl and carry .whl)
 #   executed     the CHAPTERS notebooks executed and saved to $OUT (*.gpu.ipynb), to compare
@@ -21,10 +21,10 @@
 #                on the GPU (bf16, Triton kernels, CUDA graphs, async scheduling on)
 #   quant        chapter 08, three stages in a row (each may also run alone):
 #     quant_tests  the GPU-marked quantization tests (int8 GEMM, fp8 KV kernels, engine)
-#     quant_bench  nanovllm.quant_bench -> quant_h200.json (sized for < 8 min: weight bytes, KV blocks,
+#     quant_bench  nanovllm.benchmarks.quantization -> quant_h200.json (sized for < 8 min: weight bytes, KV blocks,
 #                  decode steps, layer GEMMs, tok/s of bf16/int8/fp8/fp8+fp8 KV on the
 #                  Qwen3-0.6B and Qwen3-8B shapes); QUANT_BENCH_ARGS adds options (--quick)
-#     quant_eval   nanovllm.quant_eval on SmolLM2, bf16 -> quant_eval_h200.json (needs the
+#     quant_eval   nanovllm.benchmarks.quant_eval on SmolLM2, bf16 -> quant_eval_h200.json (needs the
 #                  SmolLM2 weights, see below)
 #   serve_load   `nanovllm serve` (Qwen3-0.6B shape, dummy weights) in its own process and the
 #                load generator against it -> serve_h200.json; needs the web wheels in .webwhl
@@ -35,9 +35,13 @@
 #                allocations of a memory snapshot, autograd on/off -> troubleshooting_h200.json
 #   host_breakdown  chapter 07: the host time of one eager decode_attention call split into
 #                validation, allocations, split choice, each Triton launch -> host_breakdown_h200.json
+#   benchmarks_smoke  each GPU tool of nanovllm/benchmarks/ once, sized small (the two kernel
+#                benchmarks, decode step, profile, throughput) -> $OUT/smoke/*.json, then the
+#                run metadata each one recorded; benchmarks_smoke2: the same for tuning and
+#                quantization (not part of the default stages)
 #   long_context chapter 12: the Triton kernels with a sliding window against a float64
-#                reference, and nanovllm.long_context over 15,360 tokens (1.9x SmolLM2's trained length;
-#                perplexity by position, fp32)
+#                reference, and nanovllm.benchmarks.long_context over 15,360 tokens (1.9x SmolLM2's
+#                trained length; perplexity by position, fp32)
 #                -> 12_long_context_h200.json (needs the SmolLM2 weights, see below)
 #   flash_attn   issue 17: attention_backend="flash_attn" (FlashAttention-4) tested against a
 #                float32 reference and the Triton backend (tests/test_flash_attention_backend.py,
@@ -55,7 +59,7 @@ run() { local name=$1 limit=$2; shift 2; echo "== $name"; local t0=$SECONDS
   echo "   rc=$rc in $((SECONDS - t0)) s"; tail -n 14 "$OUT/$name.log"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'
-BENCH="python3 -m nanovllm.bench --model qwen3-0.6b --gpu-memory-utilization 0.5"
+BENCH="python3 -m nanovllm.benchmarks.throughput --model qwen3-0.6b --gpu-memory-utilization 0.5"
 stages=${*:-gpu_tests decode_step profile bench bench_sync}
 stages=${stages//quant /quant_tests quant_bench quant_eval }  # `quant`: its three parts
 [[ $stages == *quant ]] && stages="${stages%quant}quant_tests quant_bench quant_eval"
@@ -65,6 +69,12 @@ notebook_wheels() {
 web_wheels() {
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/web .webwhl/*.whl \
     && export PYTHONPATH=$PYTHONPATH:/tmp/web; }
+# The run metadata (nanovllm/benchmarks/metadata.py) each JSON in folder $1 recorded.
+smoke_headers() { python3 -c 'import json, sys
+for f in sys.argv[1:]:
+    r = json.load(open(f))
+    print(f.split("/")[-1], {k: r.get(k) for k in ("device", "date", "command", "torch", "triton",
+                                                   "transformers", "git_commit")})' "$1"/*.json; }
 # Executes a notebook in chapters/ (as nbval does) and saves it with its outputs.
 EXECUTE='import sys, nbformat, nbclient
 nb = nbformat.read(sys.argv[1], as_version=4)
@@ -75,18 +85,18 @@ nbformat.write(nb, sys.argv[2])'
 for stage in $stages; do
   case $stage in
     gpu_tests) run gpu_tests 200 python3 -m pytest -m gpu tests -q -p no:cacheprovider ;;
-    decode_step) run decode_step 120 python3 -m nanovllm.bench --decode-step --out "$OUT/cuda_graphs_h200.json" ;;
-    profile) run profile 120 python3 -m nanovllm.profiling --out "$OUT/profile_h200.json" ;;
+    decode_step) run decode_step 120 python3 -m nanovllm.benchmarks.decode_step --out "$OUT/cuda_graphs_h200.json" ;;
+    profile) run profile 120 python3 -m nanovllm.benchmarks.profiling --out "$OUT/profile_h200.json" ;;
     bench) run bench 300 $BENCH --peer hf --peer-requests "${PEER_REQUESTS:-32}" --out "$OUT/bench_h200.json" ;;
     bench_sync) run bench_sync 120 $BENCH --no-async-scheduling --out "$OUT/bench_h200_sync.json" ;;
-    tuning) run tuning 500 python3 -m nanovllm.tuning --out "$OUT/tuning_h200.json" ;;
+    tuning) run tuning 500 python3 -m nanovllm.benchmarks.tuning --out "$OUT/tuning_h200.json" ;;
     quant_tests) run quant_tests 300 python3 -m pytest -m gpu -q -p no:cacheprovider \
       tests/test_quantization.py tests/kernels/test_int8_gemm.py tests/kernels/test_fp8_kv_kernels.py ;;
-    quant_bench) run quant_bench 560 python3 -m nanovllm.quant_bench --out "$OUT/quant_h200.json" \
+    quant_bench) run quant_bench 560 python3 -m nanovllm.benchmarks.quantization --out "$OUT/quant_h200.json" \
       ${QUANT_BENCH_ARGS:-} ;;
-    quant_eval) run quant_eval 400 python3 -m nanovllm.quant_eval --device cuda --dtype bfloat16 \
+    quant_eval) run quant_eval 400 python3 -m nanovllm.benchmarks.quant_eval --device cuda --dtype bfloat16 \
       --json "$OUT/quant_eval_h200.json" ;;
-    quant_sweep) run quant_sweep 500 python3 -m nanovllm.quant_bench --sweep-int8 \
+    quant_sweep) run quant_sweep 500 python3 -m nanovllm.benchmarks.quantization --sweep-int8 \
       --out "$OUT/int8_sweep_h200.json" ;;
     serve_load)
       web_wheels
@@ -131,7 +141,7 @@ for _ in range(360):
       --out "$OUT/troubleshooting_h200.json" ;;
     long_context)
       run window_kernels 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_window_kernels.py
-      run long_context 300 python3 -m nanovllm.long_context --device cuda --tokens 15360 \
+      run long_context 300 python3 -m nanovllm.benchmarks.long_context --device cuda --tokens 15360 \
         --out "$OUT/12_long_context_h200.json" ;;
     host_breakdown) run host_breakdown 120 python3 tests/gpu/host_breakdown.py \
       --out "$OUT/host_breakdown_h200.json" ;;
@@ -142,6 +152,22 @@ for _ in range(360):
         tests/test_flash_attention_backend.py
       run flash_attn_bench 200 python3 -m nanovllm.benchmarks.attention_backends \
         --out "$OUT/attention_backends_h200.json" ;;
+    benchmarks_smoke)  # about 5 min
+      S="$OUT/smoke"; mkdir -p "$S"; M="python3 -m nanovllm.benchmarks"
+      run smoke_decode_kernel 150 $M.decode_kernel --batches 1 64 --contexts 1024 \
+        --block-sizes 16 --out "$S/decode_kernel.json"
+      run smoke_prefill_kernel 150 $M.prefill_kernel --block-sizes 256 --out "$S/prefill_kernel.json"
+      run smoke_decode_step 120 $M.decode_step --out "$S/decode_step.json"
+      run smoke_profiling 120 $M.profiling --num-requests 32 --steps 2 --out "$S/profile.json"
+      run smoke_throughput 150 $M.throughput --model qwen3-0.6b --num-requests 32 \
+        --gpu-memory-utilization 0.5 --out "$S/throughput.json"
+      smoke_headers "$S" ;;
+    benchmarks_smoke2)  # about 6 min: the sweeps
+      S="$OUT/smoke"; mkdir -p "$S"; M="python3 -m nanovllm.benchmarks"
+      run smoke_tuning 330 $M.tuning --num-requests 16 --out "$S/tuning.json"
+      run smoke_quantization 240 $M.quantization --quick --shapes qwen3-0.6b --variants bf16 int8 \
+        --num-requests 16 --out "$S/quantization.json"
+      smoke_headers "$S" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from nanovllm.kernels import bench_decode
+from nanovllm.benchmarks import decode_kernel
 from nanovllm.kernels import decode_attention as kernel_module
 from nanovllm.kernels.decode_attention import choose_num_splits, decode_attention
 
@@ -65,10 +65,10 @@ class Recorder:
 
 def breakdown(batch: int, ctx: int = 1024, block_size: int = 16) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k_cache, v_cache, seq_lens, tables = bench_decode.make_case(batch, ctx, block_size, gen)
-    table, scale = tables[0], bench_decode.HEAD_DIM**-0.5
+    q, k_cache, v_cache, seq_lens, tables = decode_kernel.make_case(batch, ctx, block_size, gen)
+    table, scale = tables[0], decode_kernel.HEAD_DIM**-0.5
     num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    splits = choose_num_splits(batch, bench_decode.NUM_KV_HEADS, table.shape[1] * block_size,
+    splits = choose_num_splits(batch, decode_kernel.NUM_KV_HEADS, table.shape[1] * block_size,
                                num_sms)
     row = {"batch": batch, "ctx": ctx, "block_size": block_size, "num_splits": splits}
     row["full"] = host_us(lambda: decode_attention(q, k_cache, v_cache, seq_lens, table, scale))
@@ -76,7 +76,7 @@ def breakdown(batch: int, ctx: int = 1024, block_size: int = 16) -> dict:
         lambda: decode_attention(q, k_cache, v_cache, seq_lens, table, scale, num_splits=1))
     empty = (q[:0], k_cache, v_cache, seq_lens[:0], table[:0], scale)
     row["validate"] = host_us(lambda: decode_attention(*empty))
-    heads, d_pad = bench_decode.NUM_HEADS, 128
+    heads, d_pad = decode_kernel.NUM_HEADS, 128
 
     def allocs():
         m = torch.empty((batch, heads, splits), dtype=torch.float32, device="cuda")
@@ -85,7 +85,7 @@ def breakdown(batch: int, ctx: int = 1024, block_size: int = 16) -> dict:
 
     row["allocs"] = host_us(allocs) if splits > 1 else 0.0
     row["choose_splits"] = host_us(
-        lambda: choose_num_splits(batch, bench_decode.NUM_KV_HEADS, table.shape[1] * block_size,
+        lambda: choose_num_splits(batch, decode_kernel.NUM_KV_HEADS, table.shape[1] * block_size,
                                   kernel_module._num_sms(q.device)))
     # Capture the launches of one call, then replay each through Triton's launcher alone.
     names = ("_decode_split_kernel", "_combine_splits_kernel")

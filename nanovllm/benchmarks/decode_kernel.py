@@ -1,6 +1,6 @@
 """Micro-benchmark of the paged decode attention kernel against the memory roofline (GPU only).
 
-    python -m nanovllm.kernels.bench_decode --out results.json
+    python -m nanovllm.benchmarks.decode_kernel --out results.json
 
 Measures, in one run on one GPU:
 
@@ -29,11 +29,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import functools
 import json
 import math
-import platform
 import sys
 import time
 import warnings
@@ -41,11 +39,11 @@ import warnings
 import torch
 
 try:
-    import triton
     from triton.testing import do_bench
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("the decode benchmark needs Triton (`pip install triton`)") from exc
 
+from nanovllm.benchmarks.metadata import run_metadata
 from nanovllm.kernels.decode_attention import _num_sms, choose_num_splits, decode_attention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128  # Qwen3-0.6B
@@ -262,7 +260,7 @@ def bench_shape(batch, ctx, block_size, copy_bw, gen, with_sdpa: bool, sweep_spl
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="bench_decode.json", help="where to write the JSON")
+    parser.add_argument("--out", default="decode_kernel.json", help="where to write the JSON")
     parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     parser.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS))
     parser.add_argument("--block-sizes", type=int, nargs="+", default=list(BLOCK_SIZES))
@@ -274,7 +272,7 @@ def main(argv=None):
     )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        sys.exit("bench_decode needs a CUDA GPU (the interpreter would measure the CPU)")
+        sys.exit("the decode kernel benchmark needs a CUDA GPU (the interpreter times the CPU)")
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     copy_bw = copy_bandwidth()
@@ -302,15 +300,8 @@ def main(argv=None):
                     )
 
     result = {
-        "device": torch.cuda.get_device_name(),
+        **run_metadata("nanovllm.benchmarks.decode_kernel", argv, "cuda"),
         "num_sms": _num_sms(torch.device("cuda")),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "command": " ".join(
-            ["python -m nanovllm.kernels.bench_decode", *(sys.argv[1:] if argv is None else argv)]
-        ),
         "shape": {
             "num_heads": NUM_HEADS,
             "num_kv_heads": NUM_KV_HEADS,

@@ -1,6 +1,7 @@
-"""``python -m nanovllm.tuning``: the benchmark under different engine settings (chapter 11).
+"""``python -m nanovllm.benchmarks.tuning``: the benchmark under different engine settings
+(chapter 11).
 
-Runs the nano-vllm workload (``nanovllm.bench``) once per setting of one knob, everything else
+Runs the nano-vllm workload (``workload.py``) once per setting of one knob, everything else
 at the benchmark's defaults, and prints throughput, steps, preemptions and latency. The
 default setting runs twice, so the spread between two identical runs is on the same table.
 """
@@ -10,13 +11,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import time
 from pathlib import Path
 
 import torch
 
-from nanovllm import LLM, SamplingParams
-from nanovllm.bench import free, make_workload, warm_up
+from nanovllm import LLM
+from nanovllm.benchmarks.metadata import run_metadata
+from nanovllm.benchmarks.workload import free, make_workload, run_workload
 from nanovllm.config import EngineConfig
 from nanovllm.configs import config_path
 from nanovllm.engine.metrics import latency_summary
@@ -41,14 +42,7 @@ def run_setting(model: str, knobs: dict, num_requests: int | None) -> dict:
     work = make_workload("nano-vllm", num_requests)
     options = {"gpu_memory_utilization": 0.5, **knobs}
     llm = LLM(str(config_path(model)), load_format="dummy", **options)
-    params = [
-        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in work.output_lens
-    ]
-    warm_up(llm)
-    start = time.perf_counter()
-    outs = llm.generate(work.prompts, params, use_tqdm=False)
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+    seconds, outs = run_workload(llm, work)
     latency = latency_summary(o.metrics for o in outs)
     row = {
         "knobs": knobs,
@@ -64,14 +58,16 @@ def run_setting(model: str, knobs: dict, num_requests: int | None) -> dict:
     return row
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen3-0.6b")
     parser.add_argument("--num-requests", type=int, default=None)
     parser.add_argument("--out", type=Path, default=None, help="write results as JSON here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("the tuning sweep runs the GPU benchmark: it needs a CUDA GPU")
+    meta = {**run_metadata("nanovllm.benchmarks.tuning", argv, "cuda"),
+            "defaults": {**DEFAULTS, "gpu_memory_utilization": 0.5}}
     rows = []
     print(f"{'setting':36s} {'tok/s':>8} {'steps':>6} {'preempt':>8} {'TTFT s':>7} {'TPOT ms':>8}")
     for knobs in SETTINGS:
@@ -84,13 +80,6 @@ def main() -> None:
             flush=True,
         )
         if args.out:  # after every row: a later failure keeps the earlier ones
-            meta = {
-                "device": torch.cuda.get_device_name(),
-                "date": time.strftime("%Y-%m-%d"),
-                "torch": torch.__version__,
-                "command": f"python -m nanovllm.tuning --model {args.model}",
-                "defaults": {**DEFAULTS, "gpu_memory_utilization": 0.5},
-            }
             args.out.write_text(json.dumps({**meta, "rows": rows}, indent=1))
 
 

@@ -1,6 +1,6 @@
 """Timing the linear layers' matmuls alone: bf16 vs int8 (W8A16) vs fp8 (W8A8), and a sweep
-of the int8 GEMM's tiles (chapter 08). ``nanovllm/quant_bench.py`` runs both
-(``--sweep-int8``); this module holds the timing itself.
+of the int8 GEMM's tiles (chapter 08). ``quantization.py`` runs both (``--sweep-int8``);
+this module holds the timing itself.
 
 Single eager calls, one at a time, with the L2 cache flushed before each: on a GPU a small
 call's time includes its launch from Python, which CUDA graphs hide in the engine.
@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import itertools
 import statistics
-import time
 from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
+from nanovllm.benchmarks.timing import time_calls
 from nanovllm.models import ModelConfig
 
 L2_FLUSH_BYTES = 256 << 20  # more than any GPU's L2 (H200: 50 MB)
@@ -35,27 +35,12 @@ _FLUSH: dict[str, torch.Tensor] = {}
 def time_us(fn, x: torch.Tensor, reps: int, device: torch.device) -> float:
     """Median microseconds of ``fn(x)``; on a GPU from CUDA events around each call, with the
     L2 cache flushed before it (as a layer's weights arrive in a real step)."""
-    for _ in range(3):
-        fn(x)
-    times = []
+    flush = None
     if device.type == "cuda":
         flush = _FLUSH.setdefault(str(device), torch.empty(L2_FLUSH_BYTES, dtype=torch.int8,
-                                                           device=device))
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(reps)]
-        for start, end in events:
-            flush.zero_()
-            start.record()
-            fn(x)
-            end.record()
-        torch.cuda.synchronize(device)
-        times = [start.elapsed_time(end) * 1e3 for start, end in events]
-    else:
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn(x)
-            times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
+                                                           device=device)).zero_
+    times = time_calls(lambda: fn(x), reps, warmup=3, device=device, events=True, before=flush)
+    return statistics.median(times) * 1e6
 
 
 def quantized_layer(w: torch.Tensor, method: str) -> SimpleNamespace:

@@ -1,22 +1,30 @@
 """One engine decode step timed eager and with CUDA graphs, fused kernels on and off
-(chapters 07 and 11; ``python -m nanovllm.bench --decode-step`` runs it).
+(chapters 07 and 11).
+
+    python -m nanovllm.benchmarks.decode_step --out cuda_graphs.json
+    python -m nanovllm.benchmarks.throughput --decode-step --out cuda_graphs.json   # the same
 
 A batch of sequences whose prompts are "already cached" (their KV slots hold random values)
 takes one decode step at a time through ``ModelRunner.run``: prepare the inputs, run the
 model, sample. That isolates what CUDA graphs and the fused kernels change per step.
-It can also time an engine built elsewhere (``nanovllm/quant_bench.py`` passes quantized
-engines, chapter 08).
+It can also time an engine built elsewhere (``quantization.py`` passes quantized engines,
+chapter 08).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import random
-import time
+from pathlib import Path
 
 import torch
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.benchmarks.metadata import run_metadata
+from nanovllm.benchmarks.timing import time_loop
 from nanovllm.configs import config_path
+from nanovllm.layers.quantization import KV_CACHE_DTYPES, QUANTIZATION_METHODS
 
 FILL_CHUNK = 1 << 26  # elements filled per randn draw in fill_random_ (128 MiB of fp16)
 
@@ -105,18 +113,31 @@ def fill_random_(cache: torch.Tensor) -> None:
         part.copy_(torch.randn(part.numel(), dtype=torch.float16, device=cache.device))
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _time_steps(runner, batch, iters: int) -> float:
     """Seconds per ``runner.run(batch)``, after three untimed warm-up steps."""
-    for _ in range(3):
-        runner.run(batch)
-    _sync(runner.device)
-    start = time.perf_counter()
-    for _ in range(iters):
-        runner.run(batch)
-    _sync(runner.device)
-    return (time.perf_counter() - start) / iters
+    return time_loop(lambda: runner.run(batch), iters, warmup=3, device=runner.device)
+
+
+def record(model: str, out: Path | None, meta: dict, **engine_options) -> list[dict]:
+    """Batches 1, 64 and 256 at context 1024 (the chapters' table); written to ``out`` as JSON
+    after ``meta`` (``run_metadata``) and ``engine_options`` (quantization, KV dtype)."""
+    rows = decode_step_benchmark(model, [1, 64, 256], 1024, **engine_options)
+    if out:
+        out.write_text(json.dumps({**meta, **engine_options, "rows": rows}, indent=2))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen3-0.6b", help="a shipped config (random weights)")
+    parser.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=None)
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
+    parser.add_argument("--out", type=Path, default=None, help="write results as JSON here")
+    args = parser.parse_args(argv)
+    meta = run_metadata("nanovllm.benchmarks.decode_step", argv)
+    record(args.model, args.out, meta, quantization=args.quantization,
+           kv_cache_dtype=args.kv_cache_dtype)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,9 +1,9 @@
 """Speed and memory of quantization, one JSON file (chapter 08; GPU, or a CPU smoke test).
 
-    python -m nanovllm.quant_bench --out quant_h200.json      # everything (an H200: < 8 min)
-    python -m nanovllm.quant_bench --shapes qwen3-0.6b --variants bf16 int8 --quick
-    python -m nanovllm.quant_bench --sweep-int8               # int8 GEMM tiles, printed
-    python -m nanovllm.quant_bench --device cpu --quick --shapes MODEL_FOLDER   # smoke test
+    python -m nanovllm.benchmarks.quantization --out quant_h200.json   # all (H200: < 8 min)
+    python -m nanovllm.benchmarks.quantization --shapes qwen3-0.6b --variants bf16 int8 --quick
+    python -m nanovllm.benchmarks.quantization --sweep-int8            # int8 GEMM tiles, printed
+    python -m nanovllm.benchmarks.quantization --device cpu --quick --shapes MODEL_FOLDER  # smoke
 
 Shapes: shipped configs with random weights (``qwen3-0.6b``, ``qwen3-8b``) or a model folder.
 Variants: ``bf16`` (the model's dtype, fp32 on a CPU), ``int8`` (W8A16), ``fp8`` (W8A8), and
@@ -16,11 +16,11 @@ between). The JSON (``--out``) holds, besides device, date, command and versions
 - ``kv_blocks`` {shape: {auto, fp8}}: KV-cache blocks the engine sized at the same
   ``gpu_memory_utilization``, with the same weights (``kv_blocks_weights``: which ones);
 - ``decode_step_ms`` {shape: {variant: {batch: ms}}}: one engine decode step
-  (``nanovllm.decode_step_bench``) at context 1024, CUDA graphs on, batches 1, 64, 256;
+  (``decode_step.py``) at context 1024, CUDA graphs on, batches 1, 64, 256;
 - ``gemm`` {shape: [{layer, m, n, k, bf16_us, int8_us, fp8_us}]}: each linear layer's matmul
   alone (fp8: with the activations' quantization), CUDA events around each call with the L2
   flushed before it, median of ``--gemm-reps``;
-- ``bench_tok_s`` {shape: {variant: tok/s}}: the nano-vllm workload (``nanovllm.bench``, default
+- ``bench_tok_s`` {shape: {variant: tok/s}}: the nano-vllm workload (``workload.py``, default
   engine settings), ``bench_requests`` requests per shape (fewer on qwen3-8b, to keep the
   whole run under ~8 minutes);
 - ``engines`` (per engine: blocks, timings, settings) and ``errors`` (items that failed).
@@ -28,7 +28,7 @@ between). The JSON (``--out``) holds, besides device, date, command and versions
 ``--sweep-int8`` instead times a grid of tile configurations of the int8 GEMM
 (``nanovllm/kernels/int8_gemm.py``) on every layer shape and prints the best beside the one
 ``pick_config`` chooses, so the tiles can be tuned from one run. The GEMM timing and the sweep
-live in ``nanovllm/gemm_bench.py``.
+live in ``gemm.py``.
 """
 
 from __future__ import annotations
@@ -45,8 +45,9 @@ from pathlib import Path
 
 import torch
 
+from nanovllm.benchmarks.gemm import SWEEP_ROWS, measure_gemms, sweep_int8
+from nanovllm.benchmarks.metadata import device_name, run_metadata
 from nanovllm.configs import SHIPPED, config_path
-from nanovllm.gemm_bench import SWEEP_ROWS, measure_gemms, sweep_int8
 from nanovllm.models import ModelConfig
 
 SHAPES = ("qwen3-0.6b", "qwen3-8b")
@@ -102,7 +103,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def bench_workload(settings: dict, shape: str):
-    from nanovllm.bench import Workload, make_workload
+    from nanovllm.benchmarks.workload import Workload, make_workload
 
     if settings["device"] == "cpu":  # a smoke test: few, short requests
         work = make_workload("cpu", settings["requests"])
@@ -114,8 +115,8 @@ def bench_workload(settings: dict, shape: str):
 def measure_engine(shape: str, variant: str, settings: dict) -> dict:
     """Build one engine; its weight bytes, KV blocks, decode steps and workload tok/s."""
     from nanovllm import LLM
-    from nanovllm.bench import free, time_workload
-    from nanovllm.decode_step_bench import decode_step_benchmark
+    from nanovllm.benchmarks.decode_step import decode_step_benchmark
+    from nanovllm.benchmarks.workload import free, time_workload
 
     _, quantization, kv = split_variant(variant)
     options = dict(device=settings["device"], quantization=quantization, kv_cache_dtype=kv,
@@ -157,15 +158,11 @@ def run_item(item: tuple, settings: dict) -> dict | list:
     return measure_gemms(ModelConfig.from_pretrained(model_folder(item[1])), settings)
 
 
-def device_name(device: str) -> str:
-    return torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
-
-
 def run_in_subprocess(item: tuple, settings: dict) -> tuple[dict | list, str]:
     """``run_item`` in a fresh process: (its measurements, the device's name)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "item.json"
-        cmd = [sys.executable, "-m", "nanovllm.quant_bench", "--worker",
+        cmd = [sys.executable, "-m", "nanovllm.benchmarks.quantization", "--worker",
                json.dumps({"item": item, "settings": settings}), "--worker-out", str(out)]
         timeout = ITEM_TIMEOUT_S.get(item[1], 240)
         try:
@@ -206,20 +203,13 @@ def collect(result: dict, item: tuple, value) -> None:
 
 
 def header(argv: list[str], settings: dict, in_process: bool = True) -> dict:
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
     on_gpu = settings["device"].startswith("cuda")
+    meta = run_metadata("nanovllm.benchmarks.quantization", argv, settings["device"],
+                        device_label="" if on_gpu and not in_process else None)
     return {
-        # (a GPU's name comes from the first worker: CUDA in this process would hold memory)
-        "device": device_name(settings["device"]) if not on_gpu or in_process else None,
-        "date": time.strftime("%Y-%m-%d"),
-        "command": " ".join(["python -m nanovllm.quant_bench", *argv]),
-        "torch": torch.__version__,
-        "triton": triton_version,
+        **meta,
+        # (a GPU's name then comes from the first worker: CUDA here would hold memory)
+        "device": meta["device"] or None,
         "dtype": "bfloat16" if on_gpu else "float32",
         "settings": settings,
         "weight_bytes": {}, "kv_blocks": {}, "kv_blocks_weights": {}, "decode_step_ms": {},
@@ -357,8 +347,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         reps = args.gemm_reps or (20 if device.type == "cuda" else 2)
         shapes = {shape_key(s): ModelConfig.from_pretrained(model_folder(s)) for s in args.shapes}
         rows = sweep_int8(shapes, SWEEP_ROWS if device.type == "cuda" else [1, 32], reps, device)
-        result = {**{k: v for k, v in header(argv, {"device": args.device, "size": args.size})
-                     .items() if k in ("device", "date", "command", "torch", "triton")},
+        result = {**run_metadata("nanovllm.benchmarks.quantization", argv, args.device),
                   "int8_sweep": rows}
         if args.out:
             args.out.write_text(json.dumps(result, indent=1))

@@ -1,4 +1,4 @@
-"""``python -m nanovllm.profiling``: where the time of a decode step goes (chapter 11).
+"""``python -m nanovllm.benchmarks.profiling``: where the time of a decode step goes (chapter 11).
 
 Runs the benchmark workload until every request is decoding, then records a few engine
 steps with ``torch.profiler``: what the CPU does (schedule, prepare and launch, wait for the
@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -21,7 +20,8 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.bench import free, make_workload
+from nanovllm.benchmarks.metadata import run_metadata
+from nanovllm.benchmarks.workload import free, make_workload
 from nanovllm.configs import config_path
 
 CPU_PHASES = {  # (object path, method) -> label in the timeline
@@ -122,13 +122,13 @@ def profile_decode_steps(
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen3-0.6b")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", type=Path, default=None, help="write results as JSON here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profiling a decode step needs a CUDA GPU")
     runs = [
@@ -150,12 +150,7 @@ def main() -> None:
         print(f"  {ms:7.3f} ms/step  {name}")
     print(runs[-1]["cpu_ops_table"])
     if args.out:
-        meta = {
-            "device": torch.cuda.get_device_name(),
-            "date": time.strftime("%Y-%m-%d"),
-            "torch": torch.__version__,
-            "command": f"python -m nanovllm.profiling --model {args.model}",
-        }
+        meta = run_metadata("nanovllm.benchmarks.profiling", argv, "cuda")
         args.out.write_text(json.dumps({**meta, "runs": runs}))
 
 

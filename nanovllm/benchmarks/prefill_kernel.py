@@ -1,6 +1,6 @@
 """Benchmark the Triton paged prefill attention kernel against PyTorch's packed attention.
 
-    python -m nanovllm.kernels.bench_prefill --out figures/data/prefill_kernel_h200.json
+    python -m nanovllm.benchmarks.prefill_kernel --out figures/data/prefill_kernel_h200.json
 
 GPU only. Chapter 02 (``chapters/02_attention``) plots the recorded JSON on CPU machines.
 
@@ -26,14 +26,14 @@ otherwise ``scaled_dot_product_attention`` per sequence. Timings are medians of
 from __future__ import annotations
 
 import argparse
-import datetime
 import inspect
 import json
 import random
-import sys
 from itertools import accumulate
 
 import torch
+
+from nanovllm.benchmarks.metadata import run_metadata
 
 QWEN3_0_6B = (16, 8, 128)  # (num_heads, num_kv_heads, head_dim): the default shape
 
@@ -224,9 +224,7 @@ def main(argv=None) -> dict:
     )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("bench_prefill needs a CUDA GPU")
-    import triton
-
+        raise SystemExit("the prefill kernel benchmark needs a CUDA GPU")
     from nanovllm.kernels.prefill_attention import default_tiles
 
     lens = prompt_lengths()
@@ -235,16 +233,7 @@ def main(argv=None) -> dict:
     num_heads, num_kv_heads, head_dim = shape
     flops = attention_flops(seqs, num_heads, head_dim)
     result = {
-        "device": torch.cuda.get_device_name(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "command": " ".join(
-            [
-                "python -m nanovllm.kernels.bench_prefill",
-                *(argv if argv is not None else sys.argv[1:]),
-            ]
-        ),
+        **run_metadata("nanovllm.benchmarks.prefill_kernel", argv, "cuda"),
         "workload": {
             "num_prompts": len(lens),
             "total_tokens": sum(lens),
@@ -264,7 +253,7 @@ def main(argv=None) -> dict:
         "correctness_rel_err_vs_sdpa_fp32": check_correctness(shape),
         "runs": [],
     }
-    print(f"{result['device']}  torch {torch.__version__}  triton {triton.__version__}")
+    print(f"{result['device']}  torch {result['torch']}  triton {result['triton']}")
     print(f"{len(lens)} prompts, {sum(lens):,} tokens, {flops / 1e12:.3f} TFLOP per pass")
     print("correctness (rel err vs fp32 SDPA):", result["correctness_rel_err_vs_sdpa_fp32"])
 

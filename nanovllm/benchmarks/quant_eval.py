@@ -1,7 +1,7 @@
 """How much accuracy quantization costs: a short table (chapter 08; CPU or GPU).
 
-    python -m nanovllm.quant_eval                       # SmolLM2, int8, fp8, fp8 KV, both
-    python -m nanovllm.quant_eval --variants int8 fp8 --text some.txt --json out.json
+    python -m nanovllm.benchmarks.quant_eval        # SmolLM2: int8, fp8, fp8 KV, int8 + fp8 KV
+    python -m nanovllm.benchmarks.quant_eval --variants int8 fp8 --text some.txt --json out.json
 
 The texts: by default the public-domain text the package ships (``nanovllm/data/``, chapters
 I-II of *Alice's Adventures in Wonderland*, ~6,100 SmolLM2 tokens; its README gives source
@@ -27,8 +27,6 @@ import argparse
 import json
 import math
 import statistics
-import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -36,12 +34,13 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.benchmarks.metadata import run_metadata
 from nanovllm.context import attention_metadata
 from nanovllm.evaluate import greedy_agreement, perplexity
 from nanovllm.layers.linear import LinearBase
 from nanovllm.layers.quantization import get_linear_method
 
-SHIPPED_TEXT = Path(__file__).parent / "data" / "alice_in_wonderland_ch1-2.txt"
+SHIPPED_TEXT = Path(__file__).parents[1] / "data" / "alice_in_wonderland_ch1-2.txt"
 TEXTS = [  # a few kinds of text (--builtin-texts)
     "The capital of France is Paris. It is known for the Eiffel Tower, museums such as the "
     "Louvre, and its cafes along the river Seine.",
@@ -182,7 +181,7 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--variants", nargs="+", default=["int8", "fp8", "kv-fp8", "int8+kv-fp8"])
@@ -196,7 +195,7 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, else float32")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--json", help="also write the rows (and the settings) here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.model is None:
         from nanovllm.weights.smollm2 import smollm2_path
 
@@ -206,15 +205,12 @@ def main() -> None:
     if not args.builtin_texts:
         texts = text_chunks(Path(args.text).read_text(encoding="utf-8"), args.chunk)
     rows = evaluate(args.model, args.variants, texts, args.device, dtype, args.max_tokens)
-    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    print(f"{args.model} on {device_name} ({dtype}), {len(texts)} texts")
+    meta = run_metadata("nanovllm.benchmarks.quant_eval", argv, args.device)
+    print(f"{args.model} on {meta['device']} ({dtype}), {len(texts)} texts")
     print(format_table(rows))
     if args.json:
-        settings = {**vars(args), "dtype": dtype, "device_name": device_name}
-        record = {"device": device_name, "date": time.strftime("%Y-%m-%d"),
-                  "command": " ".join(["python -m nanovllm.quant_eval", *sys.argv[1:]]),
-                  "torch": torch.__version__, "texts": len(texts),
-                  "settings": settings, "rows": rows}
+        settings = {**vars(args), "dtype": dtype, "device_name": meta["device"]}
+        record = {**meta, "texts": len(texts), "settings": settings, "rows": rows}
         with open(args.json, "w") as f:
             json.dump(record, f, indent=1)
 

@@ -5,7 +5,8 @@ chapters I-V: ``nanovllm/data``) is scored by the engine as one prompt (prompt l
 fp32, chunked prefill); each token's negative log-likelihood is kept, then averaged in bins
 of positions. Only the ``rope_scaling`` of the model folder differs between variants.
 
-    python -m nanovllm.long_context --tokens 10240 --out figures/data/12_long_context_cpu.json
+    python -m nanovllm.benchmarks.long_context --tokens 10240 \\
+        --out figures/data/12_long_context_cpu.json
 
 Variants (SmolLM2-135M, trained length 8,192 in its ``config.json``; factor 2): no scaling,
 linear, dynamic NTK (the engine's fixed frequencies of its maximum length, 16,384) and YaRN.
@@ -16,17 +17,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
+from nanovllm.benchmarks.metadata import run_metadata
+from nanovllm.benchmarks.timing import stopwatch
 from nanovllm.models import ModelConfig
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 TEXTS = ("alice_in_wonderland_ch1-2.txt", "alice_in_wonderland_ch3-5.txt")
 
 
@@ -100,26 +100,22 @@ def text_ids(path: str | Path) -> list[int]:
 
 
 def measure(path: str | Path, tokens: int, bin_size: int, device: str = "cpu") -> dict:
+    """Each variant's perplexity by bin of ``bin_size`` positions over the first ``tokens``
+    tokens of the shipped text, and the seconds it took."""
     ids = text_ids(path)
     if len(ids) < tokens:
         raise ValueError(f"the shipped text has {len(ids)} tokens, fewer than {tokens}")
     ids = ids[:tokens]
     trained = ModelConfig.from_pretrained(path).max_position_embeddings
-    result = {"tokens": tokens, "bin_size": bin_size, "trained_length": trained,
-              "device": torch.cuda.get_device_name() if device.startswith("cuda")
-              else f"CPU ({platform.processor() or platform.machine()}, "
-                   f"{torch.get_num_threads()} threads)",
-              "date": time.strftime("%Y-%m-%d", time.gmtime()),
-              "command": "python -m nanovllm.long_context " + " ".join(sys.argv[1:]),
-              "variants": {}}
+    result = {"tokens": tokens, "bin_size": bin_size, "trained_length": trained, "variants": {}}
     work = Path(tempfile.mkdtemp(prefix="nanovllm_long_context_"))
     for i, (name, scaling) in enumerate(variants(trained).items()):
-        start = time.perf_counter()
-        folder = scaled_model_dir(path, scaling, tokens + 1, work / str(i))  # + 1 generated
-        nll = token_nll(folder, ids, device)
+        with stopwatch(device) as watch:
+            folder = scaled_model_dir(path, scaling, tokens + 1, work / str(i))  # + 1 generated
+            nll = token_nll(folder, ids, device)
         result["variants"][name] = {"rope_scaling": scaling,
                                     "perplexity_by_bin": binned_perplexity(nll, bin_size),
-                                    "seconds": round(time.perf_counter() - start, 1)}
+                                    "seconds": round(watch.seconds, 1)}
         print(f"{name}: {result['variants'][name]['seconds']} s", flush=True)
     return result
 
@@ -134,7 +130,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    result = measure(args.model or smollm2_path(), args.tokens, args.bin_size, args.device)
+    result = {**run_metadata("nanovllm.benchmarks.long_context", argv, args.device),
+              **measure(args.model or smollm2_path(), args.tokens, args.bin_size, args.device)}
     text = json.dumps(result, indent=1)
     if args.out:
         args.out.write_text(text + "\n")
