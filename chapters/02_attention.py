@@ -1126,8 +1126,7 @@ for label, result in recorded.items():
 # with 16-token blocks, against 165 for `varlen_attn`: 1.42× faster, despite the indirection
 # through the block table. Read that ratio in its context: one workload (prefills only, no
 # cached prefix), bf16, torch 2.11's `varlen_attn`, one session on one GPU. It says nothing
-# about decode steps, and nothing about FlashAttention's newest kernels, which we have not
-# measured here. With SmolLM2's smaller heads (head_dim 64) the gap is wider (2.12×),
+# about decode steps, and nothing about FlashAttention's newest kernels, which come next. With SmolLM2's smaller heads (head_dim 64) the gap is wider (2.12×),
 # mostly because `varlen_attn` drops to 107 TFLOP/s there. Small blocks cost a little (more
 # block-id lookups, less contiguous loads), about 9% at head_dim 128. The sweep shows how the
 # tiles were chosen: 64 query rows × 32 keys with 4 warps is the best of those tried; 8 warps
@@ -1137,6 +1136,40 @@ for label, result in recorded.items():
 # prefill attention runs at 30% of the dense-matmul rate. Attention has more to do per FLOP than
 # a matmul: the softmax's exponentials, the masked diagonal tiles and, with prompts of at most
 # 1,024 tokens, many short sequences whose programs have little work each.
+
+# %% [markdown]
+# ### 7.1 Against FlashAttention-4
+#
+# The engine can also run FlashAttention's own kernels: `LLM(..., attention_backend="flash_attn")`
+# uses FlashAttention-4 (the `flash-attn-4` package, written in NVIDIA's CuTe DSL, Hopper or newer
+# GPUs) on the same paged cache (`nanovllm/layers/flash_attention.py`). A second benchmark,
+# `python -m nanovllm.benchmarks.attention_backends`, times both backends through the engine's
+# entry point on one causal prompt of 1k to 8k tokens (Qwen3-0.6B's heads, bf16, 16-token cache
+# blocks), in the same run on the same H200:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from nanovllm.benchmarks.attention_backends import comparison
+
+fa_record = json.loads((data_dir / "attention_backends_h200.json").read_text())
+print(f"{fa_record['device']}, {fa_record['date'][:10]}, flash-attn-4 {fa_record['flash_attn_4']}, "
+      f"triton {fa_record['triton']}; command: {fa_record['command'].split(' --out')[0]}")
+print(" prompt   ours TFLOP/s   flash-attn TFLOP/s   our time / theirs")
+fa_prefill = comparison(fa_record, "prefill")
+for row in fa_prefill:
+    print(f"{row['tokens']:7d} {row['ours']:14.0f} {row['flash_attn']:20.0f} {row['ratio']:17.2f}x")
+print(f"FlashAttention-4 is {min(r['ratio'] for r in fa_prefill):.1f}-"
+      f"{max(r['ratio'] for r in fa_prefill):.1f}x faster than our prefill kernel here")
+
+# %% [markdown]
+# Here ours loses, clearly. FlashAttention-4 on Hopper uses what our Triton kernel does not:
+# the tensor memory accelerator (TMA) that copies tiles between global and shared memory
+# without occupying threads, warp specialization (some warps only load while others only
+# compute, overlapping the two), and the Hopper `wgmma` matrix instructions with deeper
+# software pipelining. Our kernel is a readable 64×32-tile loop; closing the gap means
+# adopting those techniques (Triton exposes some of them, e.g. TMA descriptors and warp
+# specialization in recent versions). Chapter 05 makes the same comparison for decode, where
+# the answer is different, and chapter 11 for the whole engine.
 
 # %% [markdown]
 # ## Assignments

@@ -735,6 +735,32 @@ for lo, hi in ((1, 16), (17, 64), (65, 255), (256, 256)):
 # what changed), and fewer steps with prompt tokens outside graphs. The kernels, at the
 # roofline, are no longer where the time is.
 #
+# ### 4.1 Another backend: FlashAttention-4
+#
+# `attention_backend="flash_attn"` swaps our attention kernels for FlashAttention-4's; all else
+# (fused kernels, CUDA graphs, scheduling) stays. Chapters 02 and 05 compared the kernels: theirs
+# prefill 2-2.5x faster, ours faster at batch-1 decode and about even above. The same benchmark
+# ran the nano-vllm workload with each backend, one after the other in one process:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+fa_record = load_record("attention_backends_h200.json")
+e2e = fa_record["end_to_end"]
+print(f"{fa_record['device']}, {fa_record['date'][:10]}, {e2e['model']} shape, "
+      f"{e2e['requests']} requests, {e2e['output_tokens']:,} output tokens")
+for name in ("triton", "flash_attn"):
+    print(f"  attention_backend={name!r:13s} {e2e[name]['output_tok_per_s']:8,.0f} output tok/s")
+print(f"flash_attn / triton: {e2e['flash_attn']['output_tok_per_s'] / e2e['triton']['output_tok_per_s']:.2f}")
+
+# %% [markdown]
+# Faster prefill kernels do not make a faster engine here. In this workload decode steps
+# dominate (§4), and there the two backends are even; the prefill attention that
+# FlashAttention-4 speeds up is a small part of each prefill step, next to the matmuls; and
+# its Python entry point costs more host time per call than our launcher (`host_us` in the
+# record), which steps outside CUDA graphs pay once per layer. So `"auto"` keeps choosing
+# Triton. Long prompts would shift the balance toward prefill, where FlashAttention-4 should
+# help more; that workload has not been measured yet.
+#
 # ## 5. Tuning knobs
 #
 # Four options of `EngineConfig` (`nanovllm/config.py`) decide most of the performance a user

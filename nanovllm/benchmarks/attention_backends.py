@@ -206,6 +206,22 @@ def end_to_end(names: list[str], model: str, num_requests: int | None) -> dict:
             **rows}
 
 
+def comparison(record: dict, kind: str, block_size: int = 16) -> list[dict]:
+    """Rows of a recorded run for the chapters: ``kind`` "prefill" (TFLOP/s per prompt length)
+    or "decode" (TB/s per batch and context), at one cache block size, with ``ratio`` = our
+    time / flash-attn's (above 1: ours is slower)."""
+    unit, scale = ("flop_per_s", 1e12) if kind == "prefill" else ("bytes_per_s", 1e12)
+    rows = []
+    for row in record[kind]:
+        if row["block_size"] != block_size or "flash_attn" not in row:
+            continue
+        case = {k: row[k] for k in ("tokens", "batch", "ctx") if k in row}
+        rows.append({**case, "ours": row["triton"][unit] / scale,
+                     "flash_attn": row["flash_attn"][unit] / scale,
+                     "ratio": row["triton"]["us"] / row["flash_attn"]["us"]})
+    return rows
+
+
 def _line(kind: str, row: dict, names: list[str], unit: str, scale: float) -> str:
     cells = [f"{n} {row[n]['us']:8.1f} us {row[n][unit] / scale:6.2f}" for n in names]
     diff = f"  max|diff| {row['max_abs_diff']:.2e}" if "max_abs_diff" in row else ""

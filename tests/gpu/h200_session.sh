@@ -129,7 +129,8 @@ for _ in range(360):
         run "$name" 400 env NANOVLLM_KEEP_FIGURES=1 PYTHONHASHSEED=0 NBVAL_RECORD_DIR="$OUT" \
           python3 -m pytest --nbval-lax "$nb" --nbval-current-env \
           --nbval-sanitize-with chapters/sanitize.cfg -p no:cacheprovider -q -p nbval_record
-      done ;;
+      done
+      python3 tests/gpu/book_summary.py "$OUT" > "$OUT/book_gpu_h200.json" ;;
     chapters)
       notebook_wheels
       for nb in ${CHAPTERS:-chapters/05_*.ipynb chapters/07_*.ipynb chapters/11_*.ipynb}; do
