@@ -5,8 +5,9 @@ they time. The engine's own folders hold only the engine.
 Entry points, ``python -m nanovllm.benchmarks.<name>``:
 
 - ``throughput``: output tokens/s on the nano-vllm workload, against transformers and the
-  bandwidth bound (chapter 11; ``python -m nanovllm.bench`` is an alias); its requests and
-  their timing live in ``workload``;
+  bandwidth bound (chapter 11; ``python -m nanovllm.bench`` is an alias); its requests (and
+  the other workloads) and their timing live in ``workload``, transformers' side in
+  ``hf_peer``, arrivals over time, concurrency caps and TTFT/TPOT percentiles in ``latency``;
 - ``decode_step``: one engine decode step, eager and with CUDA graphs (chapters 07 and 11);
 - ``profiling``: where the time of a decode step goes (chapter 11);
 - ``tuning``: the workload under one changed engine knob at a time (chapter 11);

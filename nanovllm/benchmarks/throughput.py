@@ -1,7 +1,19 @@
 """``python -m nanovllm.benchmarks.throughput`` (alias ``python -m nanovllm.bench``): output
 tokens/s of nanovllm against transformers (chapter 11).
 
-The workloads (``nano-vllm`` on a GPU, ``cpu`` on a CPU) are those of ``workload.py``.
+The workloads (``nano-vllm`` on a GPU, ``cpu`` on a CPU, or ``--workload long-prompts``,
+``shared-prefix``, ``arrivals``) are those of ``workload.py``; ``--length-scale`` shrinks the
+last three (CPU tests), ``--request-rate R`` lets any workload's requests arrive as a Poisson
+process of R per second (``arrivals``: 16 by default), through the engine's step loop
+(``latency.drive``; output tok/s then counts the time spent waiting for arrivals). The engine's
+``max_model_len`` grows to the workload's longest request where the default is too short
+(``long-prompts``, whose warm-up also runs one request that long). The result holds, beside
+tok/s, the TTFT / TPOT / e2e / queue-time percentiles of the requests (``latency``) and the
+prompt tokens found in the prefix cache. ``--concurrency 1 8 64`` adds a closed-loop sweep
+(``concurrency_sweep``): at most N requests in the engine at once, the next let in when one
+finishes, each level with fresh requests of the same workload. ``--attention-backend`` picks
+the engine's attention implementation.
+
 ``--peer hf`` runs transformers on the same requests in the same process: its continuous
 batching on a GPU, its padded batched ``generate`` on a CPU. Its throughput counts only
 the requested tokens, not the padding it computes. On a GPU the result also holds the
@@ -22,90 +34,43 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 import torch
 
-from nanovllm import SamplingParams
+from nanovllm import LLM, SamplingParams
 from nanovllm.benchmarks import decode_step
+from nanovllm.benchmarks.hf_peer import run_hf_continuous, run_hf_padded
+from nanovllm.benchmarks.latency import (
+    brief,
+    drive,
+    latency_stats,
+    level_requests,
+    prefix_cache_stats,
+    sweep_concurrency,
+)
 from nanovllm.benchmarks.metadata import run_metadata
-from nanovllm.benchmarks.timing import stopwatch, time_calls
+from nanovllm.benchmarks.timing import time_calls
 from nanovllm.benchmarks.workload import (
+    DEFAULT_REQUEST_RATE,
+    WORKLOADS,
     Workload,
     bandwidth_bound_seconds,
     free,
     make_workload,
     resolve_model,
     run_nanovllm,
+    run_workload,
+    warm_up,
 )
+from nanovllm.config import ATTENTION_BACKENDS
 from nanovllm.configs import SHIPPED
+from nanovllm.engine.llm_engine import MAX_DEFAULT_MODEL_LEN
 from nanovllm.layers.quantization import KV_CACHE_DTYPES, QUANTIZATION_METHODS
 
 # --penalties: what every request then uses (vLLM's names; all three on at once)
 PENALTIES = dict(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5)
-
-
-def _hf_model(path: str, load_format: str, dtype: torch.dtype, device: str):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    if load_format == "dummy":
-        config = AutoConfig.from_pretrained(path)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    return model.to(device).eval()
-
-
-@torch.inference_mode()
-def run_hf_padded(path: str, load_format: str, work: Workload, dtype, device: str) -> float:
-    """transformers' batched generate: left-padded prompts, all run to the longest output."""
-    model = _hf_model(path, load_format, dtype, device)
-    width = max(map(len, work.prompts))
-    ids = torch.zeros(len(work.prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(work.prompts):
-        ids[i, width - len(p) :] = torch.tensor(p)
-        mask[i, width - len(p) :] = 1
-    longest = max(work.output_lens)
-    with stopwatch(device) as watch:
-        model.generate(
-            ids.to(device),
-            attention_mask=mask.to(device),
-            do_sample=True,
-            temperature=0.6,
-            max_new_tokens=longest,
-            min_new_tokens=longest,
-            pad_token_id=0,
-        )
-    return watch.seconds
-
-
-def run_hf_continuous(path: str, load_format: str, work: Workload, dtype, device: str) -> float:
-    """transformers' continuous batching (paged attention), one request per prompt. (Not
-    under inference_mode: its generation thread updates tensors created here.)"""
-    from transformers import GenerationConfig
-
-    model = _hf_model(path, load_format, dtype, device)
-    config = GenerationConfig(
-        do_sample=True,
-        temperature=0.6,
-        max_new_tokens=max(work.output_lens),
-        eos_token_id=-1,
-        pad_token_id=0,
-    )
-    with (model.continuous_batching_context_manager(generation_config=config) as manager,
-          stopwatch(device) as watch):
-        for i, (p, n) in enumerate(zip(work.prompts, work.output_lens)):
-            manager.add_request(p, request_id=f"r{i}", max_new_tokens=n)
-        generated = 0
-        for _ in range(len(work.prompts)):
-            result = manager.get_result(timeout=600)
-            if result is None or result.error:
-                raise RuntimeError(f"transformers' continuous batching failed: {result}")
-            generated += len(result.generated_tokens)
-    if generated != work.output_tokens:
-        raise RuntimeError(f"transformers generated {generated} tokens, not {work.output_tokens}")
-    return watch.seconds
 
 
 def copy_bandwidth(device: str) -> float:
@@ -123,8 +88,15 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help=f"a model folder or a shipped config ({', '.join(SHIPPED)}) for random weights",
     )
-    parser.add_argument("--workload", choices=["nano-vllm", "cpu"], default=None)
+    parser.add_argument("--workload", choices=WORKLOADS, default=None)
     parser.add_argument("--num-requests", type=int, default=None)
+    parser.add_argument("--length-scale", type=float, default=1.0,
+                        help="multiply the lengths of long-prompts, shared-prefix, arrivals")
+    parser.add_argument("--request-rate", type=float, default=None, metavar="R",
+                        help="requests arrive as a Poisson process of R/s (inf: all at once)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=None, metavar="N",
+                        help="also sweep: at most N requests in the engine at once (TTFT, TPOT)")
+    parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
     parser.add_argument("--peer", choices=["hf", "none"], default="none")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument(
@@ -181,10 +153,22 @@ def main(argv: list[str] | None = None) -> None:
         decode_step.record(args.model or "qwen3-0.6b", args.out, meta, **quant)
         return
     path, load_format = resolve_model(args.model, device)
-    work = make_workload(
-        args.workload or ("nano-vllm" if device == "cuda" else "cpu"), args.num_requests
-    )
+    name = args.workload or ("nano-vllm" if device == "cuda" else "cpu")
+    try:  # bad sizes fail here, before a model loads
+        work = make_workload(name, args.num_requests, length_scale=args.length_scale,
+                             request_rate=args.request_rate)
+        sizes = [min(level_requests(n), args.num_requests or level_requests(n))
+                 for n in args.concurrency or ()]
+        sweep = [  # each level its own requests (seed 1, 2, ...): see sweep_concurrency
+            (n, make_workload(name, size, 1 + i, length_scale=args.length_scale))
+            for i, (n, size) in enumerate(zip(args.concurrency or (), sizes))
+        ]
+    except ValueError as err:
+        parser.error(str(err))
+    if args.peer == "hf" and work.arrival_times is not None:
+        parser.error("--peer hf runs every request at once: not with arrivals")
     options = dict(
+        attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
         async_scheduling=False if args.no_async_scheduling else None,
         max_num_seqs=args.max_num_seqs,
@@ -193,6 +177,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     if args.max_num_batched_tokens:
         options["max_num_batched_tokens"] = args.max_num_batched_tokens
+    longest = max(w.max_model_len for w in [work] + [w for _, w in sweep])
+    if longest > MAX_DEFAULT_MODEL_LEN:  # (long-prompts) beyond the engine's default length
+        options["max_model_len"] = longest
     sampling = {} if args.logprobs is None else {"logprobs": args.logprobs}
     if args.penalties:
         sampling.update(PENALTIES)
@@ -200,10 +187,21 @@ def main(argv: list[str] | None = None) -> None:
         SamplingParams(**sampling)
     except ValueError as err:
         parser.error(str(err))
-    ours, llm = run_nanovllm(path, load_format, work, sampling, **options)
+    llm = LLM(path, load_format=load_format, **options)
+    if name == "long-prompts":  # (its own prompt: the workload's would then be in the cache)
+        warm_up(llm, sampling, longest=work.max_model_len)
+    if work.arrival_times is None:  # all at once, through LLM.generate
+        ours, outs = run_workload(llm, work, sampling)
+    else:
+        warm_up(llm, sampling)
+        run = drive(llm, work, sampling)
+        ours, outs = run.seconds, run.outputs
     results = {
         **run_metadata("nanovllm.benchmarks.throughput", argv, device),
         "model": args.model or path,
+        "workload": name,
+        **({"length_scale": args.length_scale} if args.length_scale != 1 else {}),
+        **({"request_rate": rate_label(args.request_rate)} if work.arrival_times else {}),
         "requests": len(work.prompts),
         "output_tokens": work.output_tokens,
         "nanovllm_seconds": ours,
@@ -215,9 +213,12 @@ def main(argv: list[str] | None = None) -> None:
         "cuda_graphs": bool(getattr(llm.engine.runner, "graphs", None)),
         "async_scheduling": llm.config.async_scheduling,
         **({"sampling": sampling} if sampling else {}),  # only with --logprobs / --penalties
+        "max_model_len": llm.config.max_model_len,
         **llm.engine.stats.summary(),
+        **prefix_cache_stats(outs),
+        "latency": latency_stats(o.metrics for o in outs),
     }
-    if device == "cuda":
+    if device == "cuda" and work.arrival_times is None:  # (waiting for arrivals: no bound)
         bw = copy_bandwidth(device)
         weight_bytes = sum(
             p.numel() * p.element_size() for p in llm.engine.runner.model.parameters()
@@ -229,6 +230,8 @@ def main(argv: list[str] | None = None) -> None:
             bound_tok_s=work.output_tokens / bound,
             fraction_of_bound=bound / ours,
         )
+    if sweep:
+        results["concurrency_sweep"] = sweep_concurrency(llm, sweep, sampling)
     free(llm)
     report(results, args.out)
     if args.peer == "hf":
@@ -259,18 +262,25 @@ def main(argv: list[str] | None = None) -> None:
     report(results, args.out)
 
 
+def rate_label(rate: float | None) -> float | str:
+    """The request rate as recorded (JSON has no infinity)."""
+    rate = DEFAULT_REQUEST_RATE if rate is None else rate
+    return rate if math.isfinite(rate) else "inf"
+
+
 def report(results: dict, out: Path | None) -> None:
     """Print the results (and write them as JSON): called after each stage, so a failing
     peer never loses our numbers."""
     if out:
         out.write_text(json.dumps(results, indent=2))
-    print(
-        "\n".join(
-            f"{k:>22}: {v:.4g}" if isinstance(v, float) else f"{k:>22}: {v}"
-            for k, v in results.items()
-        ),
-        flush=True,
-    )
+    lines = []
+    for k, v in results.items():
+        if k == "latency":
+            v = brief({"output_tok_s": results["nanovllm_tok_s"], **v})
+        elif k == "concurrency_sweep":
+            v = "; ".join(f"{row['concurrency']}: {brief(row)}" for row in v)
+        lines.append(f"{k:>22}: {v:.4g}" if isinstance(v, float) else f"{k:>22}: {v}")
+    print("\n".join(lines), flush=True)
 
 
 if __name__ == "__main__":

