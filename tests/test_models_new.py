@@ -105,6 +105,8 @@ def test_engine_greedy_matches_transformers(tiny, options):
     arch, hf, path = tiny
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 29, 41, 60)]
+    if arch == "MistralForCausalLM" and "num_kv_blocks" in options:
+        options = dict(options, num_kv_blocks=6)  # its window frees blocks: 12 never run out
     llm = LLM(path, block_size=16, **options)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=14), use_tqdm=False)
     if "num_kv_blocks" in options:

@@ -58,6 +58,10 @@ class Block:
 
 
 class BlockManager:
+    # A block id that stands in the released slots of block tables (sliding window, chapter
+    # 12: ``sliding_window.py``); this manager releases nothing.
+    null_block: int | None = None
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -81,7 +85,7 @@ class BlockManager:
     @property
     def usage(self) -> float:
         """Fraction of blocks held by at least one sequence."""
-        return 1 - len(self.free_ids) / len(self.blocks)
+        return 1 - len(self.free_ids) / self.num_blocks
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -226,10 +230,14 @@ class BlockManager:
         """Serial of the registered block that holds ``seq``'s block ``i`` after its whole
         prefix: its own block's, or an identical twin's (computed twice, registered once);
         None when the prefix is not findable."""
-        k = i
-        while k >= 0 and self.blocks[seq.block_table[k]].serial is None:
+        k, table = i, seq.block_table
+        while k >= 0 and table[k] != self.null_block and self.blocks[table[k]].serial is None:
             k -= 1  # registered blocks of its own table are trusted: registration checked them
-        serial = self.blocks[seq.block_table[k]].serial if k >= 0 else None
+        serial = self.blocks[table[k]].serial if k >= 0 else None
+        if k >= 0 and table[k] == self.null_block:  # released (sliding_window.py): the serial
+            held = self.hash_to_block.get(seq.block_hashes[k])  # it had, if still registered
+            alive = held is not None and self.blocks[held].serial == seq.released_serial
+            serial = seq.released_serial if alive else None
         for j in range(k + 1, i + 1):  # the rest must be twins that continue the chain
             twin_id = self.hash_to_block.get(seq.block_hashes[j])
             twin = self.blocks[twin_id] if twin_id is not None else None

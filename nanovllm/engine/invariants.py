@@ -11,7 +11,11 @@ running engine, where the holders of blocks are the engine's own requests. Betwe
    a live, unfinished request of the engine;
 4. the prefix-cache index agrees with the blocks: each indexed hash names a full block that
    carries that hash, each hashed block is the one indexed, and a live request's hashed
-   blocks hold its own tokens under its own chained hashes.
+   blocks hold its own tokens under its own chained hashes;
+5. with a sliding window (chapter 12, ``sliding_window.py``): the null block is held once, by
+   the manager, and never hashed; a request's released slots (the null block) are exactly its
+   first ``num_released_blocks``, and none of them is a block a future query can still see.
+   Released slots are nobody's holding: check 2 counts without them.
 
 ``check_invariants(engine)`` raises ``InvariantError`` listing every violation with the
 request ids and block ids involved. It reads state only. ``checked_steps(engine)`` runs it
@@ -28,10 +32,12 @@ import weakref
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 from nanovllm.engine.block_manager import BlockManager, chain_hash
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
+from nanovllm.engine.sliding_window import num_blocks_outside_window
 
 if TYPE_CHECKING:
     from nanovllm.engine.llm_engine import LLMEngine
@@ -149,13 +155,44 @@ def _prefix_index_problems(bm: BlockManager, live: list[Sequence]) -> list[str]:
     return problems
 
 
+def _window_problems(bm: BlockManager, live: list[Sequence]) -> list[str]:
+    """Problems with a sliding-window manager's null block and released slots."""
+    null = bm.blocks[bm.null_block]
+    problems = [] if null.hash is None else [f"the null block {null.block_id} is hashed"]
+    for seq in live:
+        n, table = seq.num_released_blocks, seq.block_table
+        nulls = [i for i, b in enumerate(table) if b == bm.null_block]
+        if nulls != list(range(n)):
+            problems.append(f"request {seq.request_id!r}: the null block is at positions "
+                            f"{nulls} of its table, not exactly its {n} released slots")
+        seen = num_blocks_outside_window(seq.num_computed_tokens, bm.window, bm.block_size)
+        if n > seen:
+            problems.append(f"request {seq.request_id!r}: {n} blocks released, but a future "
+                            f"query still sees block {seen}")
+    return problems
+
+
+def _holders(bm: BlockManager, live: list[Sequence]) -> list:
+    """Who holds blocks: the live requests, less their released slots (the null block),
+    which the manager holds instead."""
+    if bm.null_block is None:
+        return live
+    null = bm.null_block
+    held = [SimpleNamespace(request_id=s.request_id, block_table=[b for b in s.block_table
+                                                                  if b != null])
+            for s in live]
+    return held + [SimpleNamespace(request_id="(the block manager)", block_table=[null])]
+
+
 def check_invariants(engine: LLMEngine) -> None:
     """Verify the engine's KV bookkeeping (module docstring); raise ``InvariantError``
     naming the offending requests and blocks. Call it between steps."""
     live, problems = _live_sequences(engine)
     problems += _departed_holders(engine, live)
     bm = engine.block_manager
-    problems += check_refcounts(bm, live)
+    problems += check_refcounts(bm, _holders(bm, live))
+    if bm.null_block is not None:
+        problems += _window_problems(bm, live)
     if bm.enable_prefix_caching:
         problems += _prefix_index_problems(bm, live)
     if problems:

@@ -29,13 +29,13 @@ from collections.abc import Iterable
 from nanovllm.config import EngineConfig
 from nanovllm.detokenizer import IncrementalDetokenizer
 from nanovllm.distributed import check_divisible
-from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.input_processor import InputProcessor
 from nanovllm.engine.metrics import EngineStats, StepMetrics, TimelineRecorder
 from nanovllm.engine.model_runner import InFlight, ModelRunner
 from nanovllm.engine.output_processor import EngineCoreOutput
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
+from nanovllm.engine.sliding_window import make_block_manager
 from nanovllm.models import ModelConfig, get_model_class
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.tokenizer import load_tokenizer
@@ -68,8 +68,9 @@ class LLMEngine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.runner = ModelRunner(config, self.model_config)
         self.runner.sampling_inputs.eos_token_ids = self.eos_token_ids  # for min_tokens
-        self.block_manager = BlockManager(
-            self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
+        self.block_manager = make_block_manager(  # frees out-of-window blocks (chapter 12)
+            self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+            self.model_config.sliding_window,
         )
         self.scheduler = Scheduler(config, self.block_manager)
         self.input_processor = InputProcessor(

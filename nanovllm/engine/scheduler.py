@@ -11,6 +11,8 @@ blocks are freed and it will be recomputed later (recompute preemption; with pre
 caching its freed blocks often survive and make the recomputation cheap). Policies that
 declare ``preempts_to_admit`` may also evict lower-ranked running sequences to admit a
 higher-ranked waiting one, e.g. a high-priority request arriving at a full engine.
+For a sliding-window model, each step first gives back the blocks of running sequences that
+the window has passed (chapter 12, ``sliding_window.py``).
 
 A policy that raises is tried on each sequence alone: the sequences it fails on are handed
 back in ``ScheduledBatch.failed`` (the engine ends them with finish_reason "error") and the
@@ -128,6 +130,11 @@ class Scheduler:
         """Pick this step's sequences and token counts. ``now`` defaults to the clock;
         tests pass a simulated time."""
         now = time.perf_counter() if now is None else now
+        # A sliding-window model's manager gives back the blocks the window has passed
+        # (chapter 12, sliding_window.py), before allocating: they serve this step.
+        if (release := getattr(self.block_manager, "release_outside_window", None)) is not None:
+            for seq in self.running:
+                release(seq)
         batch, budget = ScheduledBatch(), self.max_num_batched_tokens
         ordered = self._ordered(now, batch.failed)
         rank = {s.seq_id: i for i, s in enumerate(ordered)}
@@ -198,7 +205,8 @@ class Scheduler:
             return False
         lower = [s for s in self.running if rank[s.seq_id] > rank[seq.seq_id]]
         lower.sort(key=lambda s: rank[s.seq_id])
-        freeable = sum(1 for s in lower for b in s.block_table if bm.blocks[b].ref_count == 1)
+        freeable = sum(1 for s in lower for b in s.block_table
+                       if bm.blocks[b].ref_count == 1 and b != bm.null_block)
         revived = sum(1 for b in cached if bm.blocks[b].ref_count == 0)
         needed = bm.blocks_needed(len(cached) * bm.block_size + n) - len(cached) + revived
         if not lower or needed > bm.num_free_blocks + freeable:

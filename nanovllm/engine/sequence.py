@@ -56,6 +56,11 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of this sequence's full blocks
         self.num_computed_tokens = 0
+        # Sliding window (chapter 12, engine/sliding_window.py): the first
+        # `num_released_blocks` slots of the table hold the null block, their blocks given
+        # back; `released_serial` is the prefix-cache serial of the last one's chain.
+        self.num_released_blocks = 0
+        self.released_serial: int | None = None
         # Output tokens whose values have reached the host; with async scheduling the newest
         # one may still be a PLACEHOLDER after them (chapter 11).
         self.num_delivered_tokens = 0

@@ -40,8 +40,9 @@
 #                run metadata each one recorded; benchmarks_smoke2: the same for tuning and
 #                quantization (not part of the default stages)
 #   long_context chapter 12: the Triton kernels with a sliding window against a float64
-#                reference, and nanovllm.benchmarks.long_context over 15,360 tokens (1.9x SmolLM2's
-#                trained length; perplexity by position, fp32)
+#                reference, window block freeing (tests/test_sliding_window*.py: native
+#                Triton, async scheduling), and nanovllm.benchmarks.long_context over 15,360
+#                tokens (1.9x SmolLM2's trained length; perplexity by position, fp32)
 #                -> 12_long_context_h200.json (needs the SmolLM2 weights, see below)
 #   flash_attn   issue 17: attention_backend="flash_attn" (FlashAttention-4) tested against a
 #                float32 reference and the Triton backend (tests/test_flash_attention_backend.py,
@@ -148,6 +149,8 @@ for _ in range(360):
       --out "$OUT/troubleshooting_h200.json" ;;
     long_context)
       run window_kernels 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_window_kernels.py
+      run window_freeing 300 python3 -m pytest -q -p no:cacheprovider tests/test_sliding_window.py \
+        tests/test_sliding_window_engine.py
       run long_context 300 python3 -m nanovllm.benchmarks.long_context --device cuda --tokens 15360 \
         --out "$OUT/12_long_context_h200.json" ;;
     host_breakdown) run host_breakdown 120 python3 tests/gpu/host_breakdown.py \
