@@ -105,6 +105,24 @@ def test_runtime_table_is_read_from_the_execution_metadata() -> None:
         assert f"| {i.number} {i.title} |" in table
 
 
+def test_the_recorded_gpu_run_matches_its_executed_copies() -> None:
+    """figures/data/book_gpu_h200.json (issue 16) counts what its committed copies hold: for each
+    chapter, as many code cells run as the copy has, each with outputs timed by the run."""
+    record = json.loads((ROOT / "figures" / "data" / "book_gpu_h200.json").read_text())
+    assert record["device"] == "NVIDIA H200" and record["chapters"] == len(record["by_chapter"])
+    assert record["checked_passed"] == sum(c["checked_passed"] for c in record["by_chapter"])
+    for chapter in record["by_chapter"]:
+        stem = Path(chapter["notebook"]).stem
+        copy = json.loads((ROOT / "figures" / "data" / "gpu_runs" / f"{stem}.h200.ipynb").read_text())
+        code = [c for c in copy["cells"] if c["cell_type"] == "code"]
+        assert chapter["cells_run"] == len(code), stem
+        assert all("execution" in c["metadata"] for c in code), stem
+        checked = [c for c in code if "NBVAL_CHECK_OUTPUT" in "".join(c["source"])]
+        assert chapter["checked_cells"] == len(checked), stem
+        # The book's landing page says every checked cell printed what the CPU run printed.
+        assert not chapter["failed"] and chapter["checked_passed"] == len(checked), stem
+
+
 def test_a_new_chapter_appears_without_editing_the_toc(tmp_path: Path) -> None:
     """The toc globs chapters/*: a chapter notebook dropped in is staged, mapped and rendered."""
     root = tmp_path / "repo"

@@ -106,9 +106,12 @@ def runtime_table(infos: list[ChapterInfo]) -> str:
     for i in infos:
         gpu = "".join(f" {_fmt(i.gpu_seconds.get(d))} |" for d in devices)
         lines.append(f"| {i.number} {i.title} | {_fmt(i.cpu_seconds)} |{gpu}")
-    timed = [i.cpu_seconds for i in infos if i.cpu_seconds is not None]
-    total = f"{_fmt(sum(timed))} ({len(timed)} of {len(infos)} chapters)"
-    lines.append(f"| all chapters | {total} |" + " |" * len(devices))
+    def total(seconds: list[float | None]) -> str:
+        timed = [t for t in seconds if t is not None]
+        return f"{_fmt(sum(timed))} ({len(timed)} of {len(infos)} chapters)"
+
+    gpu_totals = "".join(f" {total([i.gpu_seconds.get(d) for i in infos])} |" for d in devices)
+    lines.append(f"| all chapters | {total([i.cpu_seconds for i in infos])} |{gpu_totals}")
     return "\n".join(lines)
 
 
