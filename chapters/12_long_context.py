@@ -30,12 +30,14 @@
 # 2. **Sliding-window attention** (Mistral) lets each query see only its last $W$ keys: the
 #    cost per token stops growing with the context.
 # 3. **Adding a model**, step by step: Qwen2 (a bias on the query/key/value projections) as
-#    the worked example, Mistral's window as your assignment.
+#    the worked example; Mistral's window and Phi-3 (fused checkpoint tensors) as your
+#    assignments.
 #
 # Package modules taught here: `nanovllm/layers/rotary.py` (the scalings),
 # `nanovllm/models/model_config.py` (reading `rope_scaling` / `rope_parameters` and
 # `sliding_window`), `nanovllm/models/qwen2.py`, `nanovllm/models/mistral.py`,
-# `nanovllm/models/registry.py`, the window in `nanovllm/layers/torch_attention.py`,
+# `nanovllm/models/phi3.py` with the loader's hook for fused tensors
+# (`nanovllm/weights/loader.py`), `nanovllm/models/registry.py`, the window in `nanovllm/layers/torch_attention.py`,
 # `nanovllm/layers/attention.py` and the Triton kernels (`kernels/prefill_attention.py`,
 # `kernels/decode_attention.py`), the freeing of blocks behind the window
 # (`nanovllm/engine/sliding_window.py`), and `nanovllm/benchmarks/long_context.py` (perplexity by
@@ -453,7 +455,8 @@ show_source(torch_attention.windowed_attention, torch_attention.windowed_paged_a
 # NBVAL_CHECK_OUTPUT
 def tiny_hf(arch: str, path, **extra):
     config_cls = {"MistralForCausalLM": transformers.MistralConfig,
-                  "Qwen2ForCausalLM": transformers.Qwen2Config}[arch]
+                  "Qwen2ForCausalLM": transformers.Qwen2Config,
+                  "Phi3ForCausalLM": transformers.Phi3Config}[arch]
     config = config_cls(vocab_size=256, hidden_size=128, intermediate_size=256,
                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                         max_position_embeddings=256, eos_token_id=None, bos_token_id=None,
@@ -685,6 +688,78 @@ print("Qwen2 greedy tokens equal transformers':", got == [hf_greedy(hf_qwen2, p,
 # NBVAL_IGNORE_OUTPUT
 show_source(mistral)
 
+# %% [markdown]
+# ### Your turn: Phi-3
+#
+# Phi-3 (`Phi3ForCausalLM`: Phi-3-mini and -medium) is Llama's decoder once more — RMSNorm,
+# RoPE, grouped-query attention, SwiGLU — so steps 1, 2 and 4 are short: `ModelConfig` reads
+# its `config.json` as it is (and refuses what we do not support: its `longrope` scaling of
+# the 128k models, and a `partial_rotary_factor` below 1); its `sliding_window`, when set,
+# means what Mistral's does in transformers' Phi-3. What differs is step 3: its checkpoints
+# store the projections **fused**, one `qkv_proj` tensor (the rows of q, then k, then v) and
+# one `gate_up_proj` (gate, then up):
+
+# %%
+# NBVAL_CHECK_OUTPUT
+hf_phi3 = tiny_hf("Phi3ForCausalLM", work / "phi3")
+print({name: tuple(t.shape) for name, t in hf_phi3.state_dict().items()
+       if ".layers.0." in name and "proj" in name})
+
+# %% [markdown]
+# Our `qkv_proj` packs the same rows, and on one rank a plain copy of the fused tensor would
+# fill it. On several ranks it would not: each rank of `QKVParallelLinear` (chapter 09) holds
+# *its* heads of q, of k and of v, so its rows are three slices taken from three places of
+# the fused tensor, not one block of it. For the tiny model above at two ranks:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+phi3_cfg = ModelConfig.from_pretrained(work / "phi3")
+q_rows, kv_rows = (phi3_cfg.num_heads * phi3_cfg.head_dim,
+                   phi3_cfg.num_kv_heads * phi3_cfg.head_dim)
+for rank in range(2):
+    starts = (0, q_rows, q_rows + kv_rows)
+    sizes = (q_rows // 2, kv_rows // 2, kv_rows // 2)
+    needed = [f"{s + rank * n}:{s + (rank + 1) * n}" for s, n in zip(starts, sizes)]
+    block = (q_rows + 2 * kv_rows) // 2
+    print(f"rank {rank} needs fused rows {needed}; its block of the fused tensor would be "
+          f"{rank * block}:{(rank + 1) * block}")
+
+# %% [markdown]
+# So the loader must see q, k and v apart, each with its shard id, as it does for a Llama
+# checkpoint. A model class may define `split_fused_tensor(name, tensor)`; the loader calls
+# it on every checkpoint tensor and loads the pieces it returns under Llama's names
+# (`q_proj`, `k_proj`, ...), through `packed_modules_mapping` and each parameter's
+# `weight_loader`, which takes the rank's slice:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+from nanovllm.weights import loader
+
+show_source(loader._load_tensor)
+
+# %% [markdown]
+# `Phi3ForCausalLM.split_fused_tensor` (`nanovllm/models/phi3.py`) is your assignment: split by
+# the whole model's sizes from `ModelConfig`, not by one rank's parameter shapes. With the
+# package's solution, step 5 — the parity test:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+ours_phi3 = get_model_class(phi3_cfg.architecture)(phi3_cfg)
+load_safetensors(ours_phi3, work / "phi3")
+with torch.no_grad(), attention_metadata(None):
+    gap = (ours_phi3.compute_logits(ours_phi3(ids, torch.arange(50)))
+           - hf_phi3(ids[None]).logits[0]).abs().max().item()
+print("Phi-3 logits within 1e-4 of transformers':", gap < 1e-4)
+llm = LLM(work / "phi3", block_size=16, dtype="float32", num_kv_blocks=64)
+got = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+print("Phi-3 greedy tokens equal transformers':", got == [hf_greedy(hf_phi3, p, 10)
+                                                          for p in prompts])
+
+# %% [markdown]
+# One rank cannot tell a split from a copy. `tests/test_phi3.py` also loads the checkpoint
+# at two simulated ranks and checks each rank's q, k, v, gate and up rows, and runs an engine
+# at `tensor_parallel_size=2` (two CPU processes, gloo) against `transformers`' tokens.
+
 # %%
 # NBVAL_IGNORE_OUTPUT
 print(f"chapter run time so far: {time.perf_counter() - chapter_start:.0f} s")
@@ -692,10 +767,16 @@ print(f"chapter run time so far: {time.perf_counter() - chapter_start:.0f} s")
 # %% [markdown]
 # ## Assignments
 #
-# In the course edition (`make student`; see `chapters/INSTRUCTORS.md`) you write Mistral's
-# window mask, `sliding_window_mask` in `nanovllm/layers/torch_attention.py` (section 5): the
-# torch backend's windowed attention is built on it, so the Mistral parity tests against
-# `transformers` (whole prompts, chunked prefill, preemption) and a unit test grade it.
+# In the course edition (`make student`; see `chapters/INSTRUCTORS.md`) you write two pieces:
+#
+# - Mistral's window mask, `sliding_window_mask` in `nanovllm/layers/torch_attention.py`
+#   (section 5): the torch backend's windowed attention is built on it, so the Mistral parity
+#   tests against `transformers` (whole prompts, chunked prefill, preemption) and a unit test
+#   grade it.
+# - Phi-3, by writing `Phi3ForCausalLM.split_fused_tensor` in `nanovllm/models/phi3.py`
+#   (section 6, "Your turn"): graded by Phi-3 parity with `transformers` at one rank and at
+#   two (simulated ranks and a gloo engine, where a copy of the fused tensor fails), and by a
+#   unit test on hand-made tensors.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -848,4 +929,5 @@ print("Exercise 3 passed: blocks_outside_window counts the freeable blocks")
 #   $\lceil W/B \rceil + 1$ blocks, not $\lceil n/B \rceil$.
 # - **Adding a model** is five steps: the config's differences, the layer that carries them,
 #   the weight names, a registry entry, and a parity test against `transformers` on a tiny
-#   random model. Qwen2 took one class attribute; Mistral's class is empty.
+#   random model. Qwen2 took one class attribute; Mistral's class is empty; Phi-3's splits
+#   its fused checkpoint tensors, so that each tensor-parallel rank gets its own q, k and v.

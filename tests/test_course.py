@@ -34,7 +34,7 @@ ASSIGNMENTS = {
     "09.column_shard": 3, "09.row_shard": 3, "09.vocab_embed": 4,
     "10.token_bucket": 4,
     "13.check_refcounts": 4,
-    "12.sliding_window": 4,
+    "12.sliding_window": 4, "12.phi3_fused_weights": 5,
 }  # fmt: skip
 DECODE = "tests/kernels/test_decode_kernels.py::"
 FAST = [
@@ -57,6 +57,7 @@ FAST = [
     "tests/test_invariants.py",
     "tests/test_models_new.py::test_sliding_window_mask_unit",
     "tests/test_models_new.py::test_logits_match_transformers",
+    "tests/test_phi3.py",
 ]
 
 

@@ -18,6 +18,8 @@ trained length) and ``max_position_embeddings`` becomes the length the scaled mo
 as vLLM derives it: trained length times ``factor`` for linear, dynamic and YaRN (llama3
 configs already state the extended length). A sliding window (Mistral) is read from
 ``sliding_window`` unless ``use_sliding_window`` is false (Qwen2 ships a window it does not use).
+A ``partial_rotary_factor`` other than 1 and Phi-3's rope scaling (``longrope``, also spelled
+``su`` or ``yarn`` in Phi-3 configs) are refused.
 """
 
 from __future__ import annotations
@@ -110,14 +112,20 @@ def _rope_scaling(cfg: dict[str, Any], source: str) -> tuple[dict | None, int]:
         rope if scaling_type(rope) != "default" else {}
     ))
     length = cfg.get("max_position_embeddings") or 2048
+    for where in (cfg, rope, scaling):  # RoPE on part of each head only (Phi-4-mini)
+        if where.get("partial_rotary_factor", 1.0) not in (None, 1, 1.0):
+            raise ValueError(f"{source}: partial_rotary_factor "
+                             f"{where['partial_rotary_factor']!r} (RoPE on part of each head) "
+                             "is not supported; only 1")
     kind = scaling_type(scaling)
     if kind == "default":
         return None, length
+    if cfg.get("model_type") == "phi3" or cfg["architectures"][0] == "Phi3ForCausalLM":
+        raise ValueError(f"{source}: Phi-3's rope scaling {kind!r} is not supported (Phi-3 "
+                         "configs mean longrope, which they also spell 'su' or 'yarn')")
     if kind not in SCALING_TYPES:
         raise ValueError(f"{source}: rope scaling type {kind!r} is not supported; supported: "
                          f"{', '.join(SCALING_TYPES)}")
-    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"{source}: partial_rotary_factor != 1 is not supported")
     if kind == "dynamic":  # transformers scales from max_position_embeddings itself
         scaling["original_max_position_embeddings"] = length
     elif kind in ("yarn", "llama3"):  # a top-level value wins (Phi-3's habit), as in transformers

@@ -3,7 +3,10 @@
 Checkpoints store ``q_proj``, ``k_proj``, ``v_proj`` (and ``gate_proj``, ``up_proj``) as
 separate matrices; our model packs them. The model's ``packed_modules_mapping`` says where
 each one goes, and each parameter's own ``weight_loader`` copies it into place (and takes
-its tensor-parallel shard), so this loop stays generic.
+its tensor-parallel shard), so this loop stays generic. A model whose checkpoints store such
+matrices already fused (Phi-3's ``qkv_proj``, chapter 12 §6) defines
+``split_fused_tensor(name, tensor)``, which returns the pieces under the separate names; the
+loop loads those, so the shard ids reach the loaders and tensor parallelism keeps working.
 """
 
 from __future__ import annotations
@@ -31,6 +34,12 @@ def _load_one(param: nn.Parameter, tensor: torch.Tensor, shard_id: object) -> No
     if shard_id is None and tp_size() == 1 and tensor.shape != param.shape:
         raise ValueError(f"expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}")
     loader = getattr(param, "weight_loader", _default_loader)
+    packed = (QKVParallelLinear, MergedColumnParallelLinear)
+    if shard_id is None and isinstance(getattr(loader, "__self__", None), packed):
+        raise ValueError(  # a fused checkpoint tensor the model does not split (Phi-3's)
+            "a packed parameter loads its parts (q, k, v or gate, up) one by one, with their "
+            "shard ids; this model has no split_fused_tensor for a fused checkpoint tensor"
+        )
     loader(param, tensor, shard_id) if shard_id is not None else loader(param, tensor)
 
 
@@ -49,6 +58,7 @@ def load_safetensors(
         raise ValueError(f"no *.safetensors files in {path}")
     params = dict(model.named_parameters())
     mapping = getattr(model, "packed_modules_mapping", {})
+    split = getattr(model, "split_fused_tensor", _unsplit)
     with ExitStack() as stack:
         where = {}  # tensor name -> (open file, its path)
         for file in files:
@@ -59,9 +69,9 @@ def load_safetensors(
             return _read(*where[name], name) if name in where else None
 
         loaded = {
-            name
+            part
             for name, (f, file) in where.items()
-            if _load_tensor(name, file, get, params, mapping, checkpoint_format)
+            for part in _load_tensor(name, file, get, params, mapping, checkpoint_format, split)
         }
     expected = _expected_names(params, mapping)
     missing = sorted(expected - loaded)
@@ -87,15 +97,22 @@ def _read(f, file: str, name: str) -> torch.Tensor:
         raise ValueError(f"{file} is not a readable safetensors file: {err}") from None
 
 
-def _load_tensor(name, file, get, params, mapping, checkpoint_format) -> bool:
-    """Load checkpoint tensor ``name`` into its parameter; False if it has no place."""
-    target, shard_id = _resolve(name, mapping)
+class _NoPlace(Exception):
+    """A checkpoint tensor (or a piece of a fused one) that no parameter takes."""
+
+
+def _unsplit(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    return [(name, tensor)]  # checkpoints of most models hold no fused tensors
+
+
+def _load_tensor(name, file, get, params, mapping, checkpoint_format, split) -> list[str]:
+    """Load checkpoint tensor ``name`` into its parameter(s); the names it filled, once a
+    fused tensor is split (none: a scale, or a tensor we recompute)."""
     if checkpoint_format is not None and checkpoint_format.is_companion(name):
-        return False  # a scale: read together with its weight
-    if target not in params:
-        if name == "lm_head.weight" or "rotary_emb" in name:
-            return False  # tied to the embedding, or recomputed
-        raise ValueError(f"{file}: tensor {name!r} has no place in the model")
+        return []  # a scale: read together with its weight
+    target = _resolve(name, mapping)[0]
+    if target not in params and (name == "lm_head.weight" or "rotary_emb" in name):
+        return []  # tied to the embedding, or recomputed
     tensor = get(name)
     try:
         if tensor.dtype in FP8_STORAGE_DTYPES:
@@ -105,12 +122,19 @@ def _load_tensor(name, file, get, params, mapping, checkpoint_format) -> bool:
                     "saying how to scale it"
                 )
             tensor = checkpoint_format.dequantize(name, tensor, get)
-        _load_one(params[target], tensor, shard_id)
+        pieces = split(name, tensor)
+        places = [_resolve(part, mapping) for part, _ in pieces]
+        if any(target not in params for target, _ in places):
+            raise _NoPlace
+        for (target, shard_id), (_, piece) in zip(places, pieces):
+            _load_one(params[target], piece, shard_id)
+    except _NoPlace:
+        raise ValueError(f"{file}: tensor {name!r} has no place in the model") from None
     except ValueError as err:
         raise ValueError(
             f"{file}: tensor {name!r} does not fit parameter {target!r}: {err}"
         ) from None
-    return True
+    return [part for part, _ in pieces]
 
 
 def _expected_names(params: dict[str, nn.Parameter], mapping: dict) -> set[str]:
