@@ -111,9 +111,10 @@ def test_the_recorded_gpu_run_matches_its_executed_copies() -> None:
     record = json.loads((ROOT / "figures" / "data" / "book_gpu_h200.json").read_text())
     assert record["device"] == "NVIDIA H200" and record["chapters"] == len(record["by_chapter"])
     assert record["checked_passed"] == sum(c["checked_passed"] for c in record["by_chapter"])
+    runs = ROOT / "figures" / "data" / "gpu_runs"
     for chapter in record["by_chapter"]:
         stem = Path(chapter["notebook"]).stem
-        copy = json.loads((ROOT / "figures" / "data" / "gpu_runs" / f"{stem}.h200.ipynb").read_text())
+        copy = json.loads((runs / f"{stem}.h200.ipynb").read_text())
         code = [c for c in copy["cells"] if c["cell_type"] == "code"]
         assert chapter["cells_run"] == len(code), stem
         assert all("execution" in c["metadata"] for c in code), stem
