@@ -33,11 +33,10 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
 
 import torch
 
-from nanovllm.benchmarks.decode_kernel import copy_bandwidth
+from nanovllm.benchmarks.decode_kernel import copy_bandwidth, host_us_per_call, time_per_call
 from nanovllm.benchmarks.metadata import package_version, run_metadata
 from nanovllm.context import AttentionMetadata
 
@@ -107,36 +106,6 @@ def paged_case(
     return q, k_cache, v_cache, metas
 
 
-def device_us(fns: list[Callable[[], object]]) -> dict:
-    """Median device time of one call, the calls captured back to back in one CUDA graph."""
-    from triton.testing import do_bench
-
-    for fn in fns:
-        fn()
-    torch.cuda.synchronize()
-    try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for fn in fns:
-                fn()
-        ms = do_bench(graph.replay, warmup=5, rep=100, return_mode="median")
-        return {"us": ms * 1e3 / len(fns), "timing": "cuda_graph"}
-    except Exception as exc:  # noqa: BLE001 - timed eagerly instead, and recorded as such
-        torch.cuda.synchronize()
-        ms = do_bench(lambda: [fn() for fn in fns], warmup=5, rep=100, return_mode="median")
-        return {"us": ms * 1e3 / len(fns), "timing": f"eager ({type(exc).__name__}: {exc})"[:200]}
-
-
-def host_us(fn: Callable[[], object], calls: int = 100) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
-
-
 def measure(backends: dict, q_lens, k_lens, block_size, gen, work: float, unit: str) -> dict:
     """One shape, every backend: first call, device and host time, ``work / time``."""
     per_call = 2 * sum(k_lens) * KV_HEADS * HEAD_DIM * DTYPE.itemsize
@@ -154,12 +123,12 @@ def measure(backends: dict, q_lens, k_lens, block_size, gen, work: float, unit: 
         torch.cuda.synchronize()
         first = time.perf_counter() - start
         outs[name] = out.float()
-        timing = device_us([lambda m=m: call(m) for m in metas])
+        timing = time_per_call([lambda m=m: call(m) for m in metas])
         row[name] = {
             "first_call_s": first,
             **timing,
             unit: work / (timing["us"] * 1e-6),
-            "host_us": host_us(lambda: call(metas[0])),
+            "host_us": host_us_per_call(lambda: call(metas[0])),
         }
     if len(outs) == 2:
         a, b = outs.values()
