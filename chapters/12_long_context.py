@@ -670,14 +670,21 @@ print(supported_architectures())
 # NBVAL_CHECK_OUTPUT
 load_safetensors(ours_qwen2, work / "qwen2")
 ids = torch.randint(0, 256, (50,), generator=torch.Generator().manual_seed(1))
-with torch.no_grad(), attention_metadata(None):
-    gap = (ours_qwen2.compute_logits(ours_qwen2(ids, torch.arange(50)))
-           - hf_qwen2(ids[None]).logits[0]).abs().max().item()
-print("Qwen2 logits within 1e-4 of transformers':", gap < 1e-4)
-llm = LLM(work / "qwen2", block_size=16, dtype="float32", num_kv_blocks=64)
-got = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-print("Qwen2 greedy tokens equal transformers':", got == [hf_greedy(hf_qwen2, p, 10)
-                                                          for p in prompts])
+
+
+def check_parity(label: str, ours, hf_model, folder) -> None:
+    """The parity test of a new architecture: logits of one forward, then the engine's tokens."""
+    with torch.no_grad(), attention_metadata(None):
+        gap = (ours.compute_logits(ours(ids, torch.arange(len(ids))))
+               - hf_model(ids[None]).logits[0]).abs().max().item()
+    print(f"{label} logits within 1e-4 of transformers':", gap < 1e-4)
+    llm = LLM(folder, block_size=16, dtype="float32", num_kv_blocks=64)
+    got = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    print(f"{label} greedy tokens equal transformers':",
+          got == [hf_greedy(hf_model, p, 10) for p in prompts])
+
+
+check_parity("Qwen2", ours_qwen2, hf_qwen2, work / "qwen2")
 
 # %% [markdown]
 # Mistral takes the same five steps: the config's `sliding_window` (step 1), the window in the
@@ -746,14 +753,7 @@ show_source(loader._load_tensor)
 # NBVAL_CHECK_OUTPUT
 ours_phi3 = get_model_class(phi3_cfg.architecture)(phi3_cfg)
 load_safetensors(ours_phi3, work / "phi3")
-with torch.no_grad(), attention_metadata(None):
-    gap = (ours_phi3.compute_logits(ours_phi3(ids, torch.arange(50)))
-           - hf_phi3(ids[None]).logits[0]).abs().max().item()
-print("Phi-3 logits within 1e-4 of transformers':", gap < 1e-4)
-llm = LLM(work / "phi3", block_size=16, dtype="float32", num_kv_blocks=64)
-got = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-print("Phi-3 greedy tokens equal transformers':", got == [hf_greedy(hf_phi3, p, 10)
-                                                          for p in prompts])
+check_parity("Phi-3", ours_phi3, hf_phi3, work / "phi3")
 
 # %% [markdown]
 # One rank cannot tell a split from a copy. `tests/test_phi3.py` also loads the checkpoint
