@@ -44,6 +44,9 @@
 #                Triton, async scheduling), and nanovllm.benchmarks.long_context over 15,360
 #                tokens (1.9x SmolLM2's trained length; perplexity by position, fp32)
 #                -> 12_long_context_h200.json (needs the SmolLM2 weights, see below)
+#   tp_gpus      on 2 GPUs (nvidia-h200-x2): tp_teardown.py (two TP=2 engines one after the other:
+#                start and shutdown seconds), then tests/test_tensor_parallel.py on NCCL (the
+#                SmolLM2 TP=3 test runs on the CPU and needs the weights; without them it errors)
 #   flash_attn   issue 17: attention_backend="flash_attn" (FlashAttention-4) tested against a
 #                float32 reference and the Triton backend (tests/test_flash_attention_backend.py,
 #                -s: prints the greedy agreement), then nanovllm.benchmarks.attention_backends
@@ -155,6 +158,11 @@ for _ in range(360):
         --out "$OUT/12_long_context_h200.json" ;;
     host_breakdown) run host_breakdown 120 python3 tests/gpu/host_breakdown.py \
       --out "$OUT/host_breakdown_h200.json" ;;
+    tp_gpus)
+      export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+      run tp_teardown 150 python3 tests/gpu/tp_teardown.py
+      run tp_tests 400 python3 -m pytest -v -p no:cacheprovider --durations=20 \
+        tests/test_tensor_parallel.py ;;
     flash_attn)  # compiled kernels kept on disk: the benchmark reuses the tests' compilations
       export PYTHONPATH=$PYTHONPATH:/root/site:/root/site/nvidia_cutlass_dsl/dsl_packages \
         FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
