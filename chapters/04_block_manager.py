@@ -72,18 +72,11 @@ from nanovllm.engine.block_manager import BlockManager, chain_hash
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.output_processor import RequestState
 from nanovllm.engine.sequence import Sequence
-from nanovllm.viz import BOOK_COLORS, save_figure, use_book_style
+from nanovllm.viz import BOOK_COLORS, save_figure, show_source, use_book_style
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 use_book_style()
 GREEDY = SamplingParams(temperature=0)
-
-
-def show_source(*objects) -> None:
-    """Render the source of package objects as one highlighted code block."""
-    source = "\n".join(inspect.getsource(obj) for obj in objects)
-    display(Markdown(f"```python\n{source}```"))
-
 
 print("device:", device)
 

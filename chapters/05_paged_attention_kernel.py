@@ -54,10 +54,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
 
 # %% [markdown]
-# The rest of the imports, and three helpers: `show_source` renders the package's code,
-# `agree` compares a result with a reference and prints a yes/no verdict (never the raw error,
-# which differs between machines), `make_paged_case` builds a random paged cache whose blocks
-# are scattered in shuffled order, with block tables padded by `-1` as the engine pads them.
+# The rest of the imports (among them `show_source`, which renders the package's code), and two
+# helpers: `agree` compares a result with a reference and prints a yes/no verdict (never the raw
+# error, which differs between machines), `make_paged_case` builds a random paged cache whose
+# blocks are scattered in shuffled order, with block tables padded by `-1` as the engine pads
+# them.
 
 # %%
 import inspect
@@ -68,17 +69,10 @@ import time
 import matplotlib.pyplot as plt
 from IPython.display import Markdown, display
 
-from nanovllm.viz import BOOK_COLORS, figures_dir, save_figure, use_book_style
+from nanovllm.viz import BOOK_COLORS, figures_dir, save_figure, show_source, use_book_style
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 use_book_style()
-
-
-def show_source(*objects) -> None:
-    """Render the source of package objects (Triton kernels too) as one code block."""
-    # A @triton.jit kernel is a wrapper object; its Python function is `.fn`.
-    source = "\n".join(inspect.getsource(getattr(obj, "fn", obj)) for obj in objects)
-    display(Markdown(f"```python\n{source}```"))
 
 
 def agree(name: str, ours: torch.Tensor, ref: torch.Tensor, tol: float) -> None:

@@ -86,7 +86,7 @@ from nanovllm.engine.metrics import TimelineRecorder, latency_summary
 from nanovllm.engine.policies import FairPolicy, MixedPolicy, PriorityPolicy
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
-from nanovllm.viz import save_figure, use_book_style
+from nanovllm.viz import save_figure, show_source, use_book_style
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 saved_threads = torch.get_num_threads()
@@ -109,12 +109,6 @@ def make_llm(**options) -> LLM:
     options.setdefault("num_kv_blocks", 128)
     options.setdefault("async_scheduling", False)
     return LLM(PATH, dtype="float32", **options)
-
-
-def show_source(*objects) -> None:
-    """Render the package's source of functions or classes."""
-    source = "\n".join(inspect.getsource(obj) for obj in objects)
-    display(Markdown(f"```python\n{source}```"))
 
 
 # %% [markdown]

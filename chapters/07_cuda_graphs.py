@@ -66,16 +66,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.configs import config_path
-from nanovllm.viz import BOOK_COLORS, figures_dir, save_figure, use_book_style
+from nanovllm.viz import BOOK_COLORS, figures_dir, save_figure, show_source, use_book_style
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 use_book_style()
-
-
-def show_source(*objects) -> None:
-    """Render the source of package objects as one highlighted code block."""
-    source = "\n".join(inspect.getsource(obj) for obj in objects)
-    display(Markdown(f"```python\n{source}```"))
 
 
 # %% [markdown]

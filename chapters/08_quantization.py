@@ -85,7 +85,7 @@ from nanovllm.layers.embed_head import VocabParallelEmbedding
 from nanovllm.layers.linear import LinearBase
 from nanovllm.layers.quantization import process_weights_after_loading
 from nanovllm.models import ModelConfig, get_model_class
-from nanovllm.viz import BOOK_COLORS, figures_dir, save_figure, use_book_style
+from nanovllm.viz import BOOK_COLORS, figures_dir, save_figure, show_source, use_book_style
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 if device == "cpu":
@@ -94,12 +94,6 @@ use_book_style()
 DATA = figures_dir() / "data"
 SMOLLM2 = smollm2_path()
 chapter_start = time.perf_counter()
-
-
-def show_source(*objects) -> None:
-    """Render the source of package objects (Triton kernels too) as one code block."""
-    source = "\n".join(inspect.getsource(getattr(obj, "fn", obj)) for obj in objects)
-    display(Markdown(f"```python\n{source}```"))
 
 
 def sqnr_db(exact: torch.Tensor, approx: torch.Tensor) -> float:

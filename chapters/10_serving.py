@@ -79,7 +79,7 @@ from nanovllm.engine.async_engine import AsyncEngine
 from nanovllm.serve import ServeConfig, ServerThread, build_app
 from nanovllm.serve.admission import TokenBucket
 from nanovllm.serve.config import ApiKey, Limits
-from nanovllm.viz import figures_dir, save_figure, use_book_style
+from nanovllm.viz import figures_dir, save_figure, show_source, use_book_style
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 saved_threads = torch.get_num_threads()
@@ -92,12 +92,6 @@ chapter_start = time.perf_counter()
 print(f"python {platform.python_version()}, torch {torch.__version__}, "
       f"nanovllm {nanovllm.__version__}, openai {openai.__version__}")
 print(f"device: {device}, torch threads: {torch.get_num_threads()} (was {saved_threads})")
-
-
-def show_source(*objects) -> None:
-    """Render the package's source of functions or classes."""
-    source = "\n".join(inspect.getsource(obj) for obj in objects)
-    display(Markdown(f"```python\n{source}```"))
 
 
 def make_tiny_model() -> Path:

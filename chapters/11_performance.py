@@ -61,17 +61,11 @@ from nanovllm import LLM, SamplingParams, smollm2_path
 from nanovllm.benchmarks.workload import bandwidth_bound_seconds, make_workload
 from nanovllm.configs import config_path
 from nanovllm.models import ModelConfig, get_model_class
-from nanovllm.viz import BOOK_COLORS, figures_dir, save_figure, use_book_style
+from nanovllm.viz import BOOK_COLORS, figures_dir, save_figure, show_source, use_book_style
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 use_book_style()
 DATA = figures_dir() / "data"
-
-
-def show_source(*objects) -> None:
-    """Render the source of package objects as one highlighted code block."""
-    source = "\n".join(inspect.getsource(obj) for obj in objects)
-    display(Markdown(f"```python\n{source}```"))
 
 
 def load_record(name: str) -> dict:

@@ -68,7 +68,7 @@ from nanovllm import LLM, SamplingParams, smollm2_path
 from nanovllm.context import attention_metadata
 from nanovllm.layers import rotary
 from nanovllm.models import ModelConfig, get_model_class, supported_architectures
-from nanovllm.viz import BOOK_COLORS, figures_dir, save_figure, use_book_style
+from nanovllm.viz import BOOK_COLORS, figures_dir, save_figure, show_source, use_book_style
 from nanovllm.weights.loader import load_safetensors
 
 torch.set_num_threads(1)  # tiny models: OpenMP threads on two shared cores only compete
@@ -78,12 +78,6 @@ use_book_style()
 DATA = figures_dir() / "data"
 SMOLLM2 = smollm2_path()
 chapter_start = time.perf_counter()
-
-
-def show_source(*objects) -> None:
-    """Render the source of package objects as one code block."""
-    source = "\n".join(inspect.getsource(obj) for obj in objects)
-    display(Markdown(f"```python\n{source}```"))
 
 
 # %% [markdown]

@@ -66,18 +66,13 @@ from nanovllm.engine.invariants import InvariantError, check_invariants
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.models import ModelConfig
-from nanovllm.viz import BOOK_COLORS, figures_dir, save_figure, use_book_style
+from nanovllm.viz import BOOK_COLORS, figures_dir, save_figure, show_source, use_book_style
 
 torch.set_num_threads(1)  # tiny matmuls on two shared cores run faster without OpenMP threads
 use_book_style()
 DATA = figures_dir() / "data"
 SMOLLM2 = smollm2_path()
 chapter_start = time.perf_counter()
-
-
-def show_source(*objects) -> None:
-    source = "\n".join(inspect.getsource(obj) for obj in objects)
-    display(Markdown(f"```python\n{source}```"))
 
 
 # Token ids of real text (the book's Alice excerpt), cut into prompts of varied lengths that

@@ -11,8 +11,13 @@ from typing import Any
 
 
 def show_source(*objects: Any) -> None:
-    """Render the source of package objects in a notebook as one highlighted code block."""
+    """Render the source of package objects (Triton kernels too) in a notebook as one
+    highlighted code block."""
     from IPython.display import Markdown, display
 
-    source = "\n".join(inspect.getsource(obj) for obj in objects)
+    # A @triton.jit kernel is a wrapper object; its Python function is `.fn`.
+    source = "\n".join(
+        inspect.getsource(obj.fn if type(obj).__module__.startswith("triton") else obj)
+        for obj in objects
+    )
     display(Markdown(f"```python\n{source}```"))
