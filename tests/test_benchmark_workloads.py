@@ -15,8 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from test_scheduler import make_tiny_llama
+from test_scheduler import make_tiny_llama, one_torch_thread  # noqa: F401 (autouse fixture)
 
 from nanovllm import LLM
 from nanovllm.benchmarks import latency
@@ -28,15 +27,6 @@ from nanovllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 def digest(work: Workload) -> str:
     return hashlib.sha256(json.dumps([work.prompts, work.output_lens]).encode()).hexdigest()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny matmuls run faster without OpenMP threads fighting over 2 shared cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
