@@ -41,6 +41,11 @@ class LLM:
         collected or the interpreter exits). Nothing to do with one rank."""
         self.engine.shutdown()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt block (chapter 04), e.g. between two timed runs of the
+        same prompts; False, changing nothing, while a request is unfinished."""
+        return self.engine.reset_prefix_cache()
+
     def __enter__(self) -> LLM:
         return self
 

@@ -653,3 +653,18 @@ def test_fuzz_engine_config_then_generate(tiny_dir, kwargs, num_kv_blocks, max_t
     except ValueError:
         return
     assert_well_formed(outputs, max_tokens)
+
+
+def test_the_step_budget_defaults_by_device(tiny_dir, monkeypatch):
+    """None: 4096 on a CPU (the chapters' numbers), vLLM's offline defaults on a GPU."""
+    from types import SimpleNamespace
+
+    from nanovllm.config import default_max_num_batched_tokens
+
+    assert EngineConfig(model=str(tiny_dir), device="cpu").max_num_batched_tokens == 4096
+    assert EngineConfig(model=str(tiny_dir), max_num_batched_tokens=96).max_num_batched_tokens == 96
+    for gib, budget in [(141, 16384), (80, 16384), (40, 8192), (24, 8192)]:
+        props = SimpleNamespace(total_memory=gib * 2**30)
+        monkeypatch.setattr("torch.cuda.get_device_properties", lambda device, p=props: p)
+        assert default_max_num_batched_tokens("cuda") == budget
+        assert default_max_num_batched_tokens("cuda:1") == budget

@@ -57,9 +57,28 @@ def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return merged
 
 
+def _add_workload(engine, num_requests: int) -> None:
+    work = make_workload("nano-vllm", num_requests)
+    for prompt, n in zip(work.prompts, work.output_lens):
+        engine.add_request(
+            None, prompt, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n)
+        )
+
+
+def _prefill_all(engine) -> None:
+    """Step until every request has its prompt computed."""
+    while engine.scheduler.waiting or any(
+        s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running
+    ):
+        engine.step()
+
+
 def profile_decode_steps(
-    model: str, num_requests: int, steps: int, async_scheduling: bool, warm_steps: int = 20
+    model: str, num_requests: int, steps: int, async_scheduling: bool, warm_steps: int = 20,
+    prefill: bool = False,
 ) -> dict:
+    """Profile ``steps`` decode steps, or with ``prefill`` the workload's first ``steps``
+    steps (prompt chunks), after one untimed pass over every prompt (compiles, allocations)."""
     llm = LLM(
         str(config_path(model)),
         load_format="dummy",
@@ -67,17 +86,15 @@ def profile_decode_steps(
         async_scheduling=async_scheduling,
     )
     engine = llm.engine
-    work = make_workload("nano-vllm", num_requests)
-    for prompt, n in zip(work.prompts, work.output_lens):
-        engine.add_request(
-            None, prompt, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n)
-        )
-    while engine.scheduler.waiting or any(
-        s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running
-    ):
-        engine.step()
-    for _ in range(warm_steps):
-        engine.step()
+    _add_workload(engine, num_requests)
+    _prefill_all(engine)
+    if prefill:  # the same prompts again, computed afresh
+        engine.abort_request([s.parent_id for s in engine.requests.values()])
+        llm.reset_prefix_cache()
+        _add_workload(engine, num_requests)
+    else:
+        for _ in range(warm_steps):
+            engine.step()
     _instrument(engine)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -127,12 +144,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="qwen3-0.6b")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--prefill", action="store_true",
+                        help="profile the first steps (prompt chunks) instead of decode steps")
     parser.add_argument("--out", type=Path, default=None, help="write results as JSON here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profiling a decode step needs a CUDA GPU")
     runs = [
-        profile_decode_steps(args.model, args.num_requests, args.steps, mode)
+        profile_decode_steps(args.model, args.num_requests, args.steps, mode,
+                             prefill=args.prefill)
         for mode in (False, True)
     ]
     print(f"{'async':>6} {'batch':>6} {'ms/step':>8} {'GPU busy':>9} {'kernels/step':>13}")

@@ -43,6 +43,7 @@ from nanovllm.models import ModelConfig
 from nanovllm.outputs import RequestOutput
 
 WORKLOADS = ("nano-vllm", "cpu", "long-prompts", "shared-prefix", "arrivals")
+WARM_UP_SHORT = 40  # short warm-up prompts: > 32 decodes, a batch that needs no split-KV
 DEFAULT_REQUEST_RATE = 16.0  # requests/s of ``arrivals`` when no rate is given
 
 
@@ -162,17 +163,41 @@ def resolve_model(model: str | None, device: str) -> tuple[str, str]:
 
 
 def warm_up(llm: LLM, sampling: dict | None = None, longest: int = 0) -> None:
-    """Run a few requests of different lengths before timing: Triton compiles each kernel on
-    its first use, and prefill, mixed and decode steps each need their own kernels.
+    """Run requests shaped like every kind of step before timing: Triton compiles a kernel on
+    its first call with new constant arguments (chapter 05), and the timed run must not pay
+    for that (``time_budget`` lists what a run compiles). Two rounds of 8 new tokens each:
+
+    1. 40 short prompts and long ones that spill past the step's token budget: a prefill
+       step, then a mixed step (40 decodes, more than split-KV needs, beside a long prompt's
+       last chunk, which attends to its own cached start), then CUDA-graph decodes;
+    2. one short prompt and long ones: a mixed step with a single decode (split-KV).
+
     ``sampling``: extra ``SamplingParams`` fields, as the timed requests use them.
     ``longest``: also one request that long (prompt and 8 new tokens), for what only long
     contexts use (the decode kernel splits a long context over several programs, chapter 05)."""
-    lengths = (3, 17, 70, 300) + ((longest - 8,) if longest > 308 else ())
-    prompts = [[(7 * i + j) % 10000 for j in range(n)] for i, n in enumerate(lengths)]
+    engine = llm.engine
+    budget = llm.config.max_num_batched_tokens
+    capacity = engine.block_manager.num_blocks * llm.config.block_size
+    limit = min(llm.config.max_model_len, capacity) - 8  # a prompt, with room for 8 tokens
+
+    def prompts(first: int, lengths: list[int]) -> list[list[int]]:
+        return [[(7 * (first + i) + j) % 10000 for j in range(n)] for i, n in enumerate(lengths)]
+
+    def spilling(tokens: int) -> list[int]:  # prompt lengths (<= limit) adding up to tokens
+        return [limit] * (tokens // limit) + ([tokens % limit] if tokens % limit else [])
+
+    short = [3 + 5 * (i % 8) for i in range(WARM_UP_SHORT)]
+    rounds = [
+        prompts(0, short + spilling(max(budget - sum(short), 0) + 64)),
+        prompts(100, [5] + spilling(budget + 59)),
+    ]
+    if longest > 308:
+        rounds[0] += prompts(200, [min(longest - 8, limit)])
     params = SamplingParams(max_tokens=8, ignore_eos=True, **(sampling or {}))
-    llm.generate(prompts, params, use_tqdm=False)
+    for batch in rounds:
+        llm.generate(batch, params, use_tqdm=False)
     synchronize(llm.config.device)
-    llm.engine.stats.reset()
+    engine.stats.reset()
 
 
 def run_nanovllm(

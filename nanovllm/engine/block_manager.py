@@ -189,6 +189,17 @@ class BlockManager:
             del self.hash_to_block[block.hash]
         block.hash, block.token_ids, block.serial, block.parent = None, (), None, None
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block, so later requests compute their prompts anew as on a
+        fresh engine (vLLM's name; a benchmark that repeats a workload needs it). Only while
+        no sequence holds a block: returns False, changing nothing, otherwise."""
+        if self.usage > 0:
+            return False
+        for block in self.blocks:
+            if block.block_id != self.null_block:
+                self._forget(block)
+        return True
+
     def take_orphans(self) -> set[int]:
         """Blocks forgotten while another sequence still held them, since the last call.
 

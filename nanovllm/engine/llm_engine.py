@@ -138,6 +138,11 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (``BlockManager.reset_prefix_cache``); False, changing
+        nothing, while requests are unfinished."""
+        return not self.requests and self.block_manager.reset_prefix_cache()
+
     def shutdown(self) -> None:
         """Release what outlives a Python object: the tensor-parallel workers (chapter 09)."""
         self.runner.shutdown()

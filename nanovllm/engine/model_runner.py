@@ -138,9 +138,11 @@ class ModelRunner:
     def _warm_up(self) -> None:
         """One forward pass at the largest step size, without a cache, to size activations."""
         torch.cuda.reset_peak_memory_stats(self.device)
-        n = min(self.config.max_num_batched_tokens, self.config.max_model_len)
+        # A step holds up to the token budget, over several sequences: positions wrap.
+        n = self.config.max_num_batched_tokens
         ids = torch.zeros(n, dtype=torch.int64, device=self.device)
-        hidden = self.model(ids, torch.arange(n, device=self.device))
+        positions = torch.arange(n, device=self.device) % self.config.max_model_len
+        hidden = self.model(ids, positions)
         self.model.compute_logits(hidden[: self.config.max_num_seqs])
         torch.cuda.synchronize(self.device)
 

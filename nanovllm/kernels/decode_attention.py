@@ -75,10 +75,11 @@ MIN_SPLIT_TOKENS = 64
 MAX_SPLITS = 32
 
 
-# Per-step values (split counts, slices of the step's metadata) are not specialized on, so a
-# new batch shape never triggers a compile mid-serving (see prefill_attention.py).
+# Per-step values (split counts, the block table's width, slices of the step's metadata) are
+# not specialized on, so a new batch shape never triggers a compile mid-serving (see
+# prefill_attention.py).
 @triton.jit(
-    do_not_specialize=["num_splits"],
+    do_not_specialize=["num_splits", "stride_bt"],
     do_not_specialize_on_alignment=["seq_lens_ptr", "block_tables_ptr"],
 )
 def _decode_split_kernel(

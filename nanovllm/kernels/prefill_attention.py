@@ -129,10 +129,11 @@ def _attend_key_tiles(
 
 
 # Triton compiles a variant per value class of integer arguments (1, multiple of 16, other)
-# and per 16-byte alignment of pointers. Per-step values (tile counts, slices of the step's
-# metadata) would otherwise trigger a fresh compile, seconds each, in the middle of serving.
+# and per 16-byte alignment of pointers. Per-step values (tile counts, the block table's width
+# ``stride_bt``, slices of the step's metadata) would otherwise trigger a fresh compile,
+# seconds each, in the middle of serving.
 @triton.jit(
-    do_not_specialize=["num_m_tiles"],
+    do_not_specialize=["num_m_tiles", "stride_bt"],
     do_not_specialize_on_alignment=["cu_seqlens_q_ptr", "seq_lens_k_ptr", "block_tables_ptr"],
 )
 def _prefill_attention_kernel(

@@ -53,6 +53,11 @@
 #                (prefill TFLOP/s, decode TB/s, end-to-end tok/s, Triton vs flash-attn)
 #                -> attention_backends_h200.json; needs the flash-attn-4 wheels unpacked into
 #                /root/site (/work/shared/gpu/fetch-big-wheels.sh .fa flash-attn, then unpack.sh)
+#   budget       issue 17: nanovllm.benchmarks.time_budget on the Qwen3-0.6B and SmolLM2-135M
+#                shapes (nano-vllm workload, 3 runs in one fresh process with an empty Triton
+#                cache: first vs repeat; device time by kernel kind, GPU idle, ideal read
+#                times) -> time_budget_{qwen3_0.6b,smollm2_135m}_h200.json, and SmolLM2's
+#                decode steps under the profiler (host phases) -> profile_smollm2_h200.json
 #   workloads    issue 17: the throughput benchmark's other workloads, each with TTFT/TPOT
 #                percentiles (Qwen3-0.6B shape, dummy weights): long-prompts (16 x 8k-32k tokens),
 #                shared-prefix (128 requests behind one 2k-token system prompt; prefix-cache hit
@@ -170,6 +175,13 @@ for _ in range(360):
         tests/test_flash_attention_backend.py
       run flash_attn_bench 200 python3 -m nanovllm.benchmarks.attention_backends \
         --out "$OUT/attention_backends_h200.json" ;;
+    budget)
+      for m in qwen3-0.6b smollm2-135m; do
+        TRITON_CACHE_DIR=$(mktemp -d) run "budget_$m" 240 python3 -m nanovllm.benchmarks.time_budget \
+          --model "$m" --runs 3 ${BUDGET_ARGS:-} --out "$OUT/time_budget_${m//-/_}_h200.json"
+      done
+      run profile_smollm2 120 python3 -m nanovllm.benchmarks.profiling --model smollm2-135m \
+        --out "$OUT/profile_smollm2_h200.json" ;;
     workloads)
       for w in long-prompts:150 shared-prefix:110 arrivals:110; do  # workload:time limit
         name=${w%:*}
