@@ -199,27 +199,34 @@ class ModelRunner:
             if seq.token_ids[end - 1] == PLACEHOLDER:  # sampled by the step still in flight
                 patch_at.append(len(input_ids) + n - 1)
                 patch_from.append(self._in_flight_rows[seq.seq_id])
-            input_ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
+            table = seq.block_table
+            if n == 1:  # a decode (most rows of most steps): no slices, no ranges
+                input_ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                input_ids += seq.token_ids[start:end]
+                positions += range(start, end)
+                slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
             if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
                 scored = list(range(start, min(end, seq.num_prompt_tokens - 1)))
                 prompt_logprobs.append((seq, cu_q[-1], scored, seq.params.prompt_logprobs))
             cu_q.append(cu_q[-1] + n)
             lens_k.append(end)
-            tables.append(seq.block_table)
+            tables.append(table)
             if end == seq.num_tokens:
                 logit_rows[i] = len(sample_from)
                 sample_from.append(cu_q[-1] - 1)
                 sample_seqs.append(seq)
-        width = max(len(t) for t in tables)
-        padded = np.full((len(tables), width), -1, dtype=np.int64)
+        width = max(map(len, tables))
+        padded = np.full((len(tables), width), -1, dtype=np.int32)
         for row, table in enumerate(tables):
             padded[row, : len(table)] = table
         n_tok, n_seq, n_sample = len(input_ids), len(lens_k), len(sample_from)
         plan = StepPlan(
-            np.concatenate([input_ids, positions, slots, sample_from, patch_at, patch_from]),
-            np.concatenate([cu_q, lens_k, padded.ravel()]),
+            np.array(input_ids + positions + slots + sample_from + patch_at + patch_from,
+                     dtype=np.int64),
+            np.concatenate([np.array(cu_q + lens_k, dtype=np.int32), padded.ravel()]),
             n_tok, n_seq, n_sample, width, max(batch.num_new_tokens),
             sum(1 for n in batch.num_new_tokens if n == 1), bool(patch_at),
             [(first, len(scored)) for _, first, scored, _ in prompt_logprobs],

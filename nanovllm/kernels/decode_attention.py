@@ -323,6 +323,7 @@ def decode_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     window: int | None = None,
+    launch: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """One query token per sequence attends to its whole paged KV history.
 
@@ -334,6 +335,8 @@ def decode_attention(
     The caches may instead be float8 e4m3 (an fp8 KV cache, chapter 08) holding
     ``K / k_scale`` and ``V / v_scale``; the scales are per-layer scalars.
     ``window`` (optional, >= 1): attend to the last ``window`` keys only (sliding window).
+    ``launch`` = (BLOCK_N, num_warps, num_stages) overrides the fixed rule of
+    ``_launch_config`` (for the tile sweep, ``tests/gpu/decode_launch_sweep.py``).
     Returns ``[B, num_heads, head_dim]`` in ``q``'s dtype. Rows with ``seq_len == 0`` get zeros.
     """
     batch, num_heads, head_dim = q.shape
@@ -375,7 +378,9 @@ def decode_attention(
 
     group = num_heads // num_kv_heads
     d_pad = triton.next_power_of_2(head_dim)
-    block_n, num_warps, num_stages = _launch_config(head_dim, on_gpu)
+    block_n, num_warps, num_stages = launch or _launch_config(head_dim, on_gpu)
+    if block_n < 16 or triton.next_power_of_2(block_n) != block_n:
+        raise ValueError(f"BLOCK_N must be a power of two >= 16, got {block_n}")
     single = num_splits == 1
     if single:
         m_part = l_part = acc_part = out  # unused by the kernel

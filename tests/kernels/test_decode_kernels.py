@@ -186,6 +186,23 @@ def test_decode_rejects_bad_shapes():
         decode_attention(torch.randn(1, 3, 32).to(DEVICE), small, small, seq_lens, tables, 1.0)
 
 
+def test_decode_launch_override_changes_only_the_rounding():
+    """``launch`` (the tile sweep's knob) changes tiles, not results; bad tiles are refused."""
+    num_heads, num_kv_heads, head_dim, block_size, lens = SHAPES["group3-smollm2"]
+    gen = torch.Generator().manual_seed(11)
+    k_cache, v_cache, seq_lens, tables = make_paged_kv(
+        lens, block_size, num_kv_heads, head_dim, torch.float32, gen
+    )
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(DEVICE)
+    ref = reference_decode(q, k_cache, v_cache, seq_lens, tables, head_dim**-0.5)
+    for launch in [(16, 4, 1), (64, 2, 1)]:
+        out = decode_attention(q, k_cache, v_cache, seq_lens, tables, head_dim**-0.5, 2,
+                               launch=launch)
+        assert rel_err(out, ref) < TOLERANCE[torch.float32], launch
+    with pytest.raises(ValueError, match="BLOCK_N"):
+        decode_attention(q, k_cache, v_cache, seq_lens, tables, 1.0, launch=(48, 4, 1))
+
+
 @pytest.mark.assignment("05.num_splits")
 def test_choose_num_splits_rule():
     # Enough sequences x KV heads for 2 programs per SM: no split.
