@@ -308,8 +308,8 @@ def _launch_config(head_dim: int, on_gpu: bool) -> tuple[int, int, int]:
     """(BLOCK_N keys per tile, num_warps, num_stages): fixed, no autotuning.
 
     A sweep of 27 tilings on an H200 (``tests/gpu/decode_launch_sweep.py``,
-    ``figures/data/decode_launch_sweep_h200.json``) found 32/2/2 4-6% faster for head_dim 128
-    at ctx 1024, but 20% slower at batch 64 and ctx 2048, and 14% slower over the whole
+    ``figures/data/decode_launch_sweep_h200.json``) found 32/2/2 4-9% faster for head_dim 128
+    at ctx 1024, but 24% slower at batch 64 and ctx 2048, and 14% slower over the whole
     benchmark (decode attention 4.36 s against 3.82 s): the rule stays."""
     if not on_gpu:
         return 32, 4, 1  # interpreter: small tiles keep tests of short sequences cheap
