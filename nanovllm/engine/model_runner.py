@@ -38,6 +38,7 @@ from nanovllm.models import ModelConfig, get_model_class
 from nanovllm.weights.loader import load_dummy, load_safetensors
 
 CPU_KV_CACHE_BYTES = 1 << 30
+SIZING_TOKENS = 4096  # tokens of the warm-up pass that sizes activations (see _warm_up)
 PROMPT_LOGPROB_ROWS = 512  # prompt positions scored at once: bounds the [rows, vocab] logits
 
 
@@ -136,15 +137,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _warm_up(self) -> None:
-        """One forward pass at the largest step size, without a cache, to size activations."""
+        """One forward pass without a cache, to size the activations of the largest step.
+
+        Without a cache the pass is one causal sequence, whose attention grows with its
+        square, while a real step's tokens come from many sequences. So it runs at most
+        ``SIZING_TOKENS`` tokens, and the peak is scaled up to the step's token budget: the
+        activations that dominate (the matmuls') grow linearly with the tokens."""
         torch.cuda.reset_peak_memory_stats(self.device)
-        # A step holds up to the token budget, over several sequences: positions wrap.
-        n = self.config.max_num_batched_tokens
+        budget = self.config.max_num_batched_tokens
+        n = min(budget, self.config.max_model_len, SIZING_TOKENS)
         ids = torch.zeros(n, dtype=torch.int64, device=self.device)
-        positions = torch.arange(n, device=self.device) % self.config.max_model_len
-        hidden = self.model(ids, positions)
+        hidden = self.model(ids, torch.arange(n, device=self.device))
         self.model.compute_logits(hidden[: self.config.max_num_seqs])
         torch.cuda.synchronize(self.device)
+        self._activation_scale = budget / n
 
     def kv_bytes_per_block(self) -> int:
         """Bytes of one block of this rank's cache (its 1/tp_size of the KV heads)."""
@@ -161,6 +167,7 @@ class ModelRunner:
             stats = torch.cuda.memory_stats(self.device)
             # Room the activations took during warm-up must stay free for real steps.
             activations = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
+            activations *= self._activation_scale
             budget = free - (1 - self.config.gpu_memory_utilization) * total - activations
         else:
             budget = CPU_KV_CACHE_BYTES
