@@ -961,8 +961,9 @@ plt.show()
 # * **`max_num_batched_tokens`** caps the tokens per step, which with 256 prompts arriving at
 #   once is the prefill's pace. A small budget (1024) spreads the prompts over more steps, each
 #   of them eager and slow, so both first tokens and throughput suffer; a large one (16384)
-#   prefills everything in a few big steps: the best first-token time and throughput here. On
-#   a live server the trade is different: a large budget lets one long prompt stall every
+#   prefills everything in a few big steps: the best first-token time and throughput here
+#   (this sweep ran when the default was 4096; 16384 is now the default on a large GPU, §4.4).
+#   On a live server the trade is different: a large budget lets one long prompt stall every
 #   running request's next token for a whole step (chapter 06).
 # * **`block_size`** 256 ran as fast as 16. The 64 row is slower, with a long time to first
 #   token; a new block size needs its own compiled kernels, and we suspect part of that run

@@ -18,7 +18,7 @@ import torch
 from nanovllm import LLM
 from nanovllm.benchmarks.metadata import run_metadata
 from nanovllm.benchmarks.workload import free, make_workload, run_workload
-from nanovllm.config import EngineConfig
+from nanovllm.config import EngineConfig, default_max_num_batched_tokens
 from nanovllm.configs import config_path
 from nanovllm.engine.metrics import latency_summary
 
@@ -30,7 +30,7 @@ SETTINGS = [  # one knob changed per run; {} = the benchmark's defaults
     {"max_num_seqs": 64},
     {"max_num_seqs": 128},
     {"max_num_batched_tokens": 1024},
-    {"max_num_batched_tokens": 16384},
+    {"max_num_batched_tokens": 4096},
     {"block_size": 64},
     {"block_size": 256},
     {"gpu_memory_utilization": 0.06},  # about 5 GB of KV cache: too small for all at once
@@ -66,8 +66,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("the tuning sweep runs the GPU benchmark: it needs a CUDA GPU")
-    meta = {**run_metadata("nanovllm.benchmarks.tuning", argv, "cuda"),
-            "defaults": {**DEFAULTS, "gpu_memory_utilization": 0.5}}
+    defaults = {**DEFAULTS, "gpu_memory_utilization": 0.5,  # the step budget: by device
+                "max_num_batched_tokens": default_max_num_batched_tokens("cuda")}
+    meta = {**run_metadata("nanovllm.benchmarks.tuning", argv, "cuda"), "defaults": defaults}
     rows = []
     print(f"{'setting':36s} {'tok/s':>8} {'steps':>6} {'preempt':>8} {'TTFT s':>7} {'TPOT ms':>8}")
     for knobs in SETTINGS:
