@@ -51,7 +51,10 @@ def default_max_num_batched_tokens(device: str) -> int:
     faster than 4096 (``figures/data/time_budget_*``). The CPU keeps 4096."""
     if device == "cpu":
         return 4096
-    total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    try:
+        total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    except (AssertionError, RuntimeError):  # a device that cannot be queried: the smaller one
+        return 8192
     return 16384 if total >= 70 * 2**30 else 8192
 
 
@@ -149,8 +152,6 @@ class EngineConfig:
                 "Hugging Face model folder (nanovllm.smollm2_path() gives one)"
             )
         self._resolve_device()
-        if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = default_max_num_batched_tokens(self.device)
         self._check_tensor_parallel()
         self._check_quantization()
         if self.async_scheduling is None:
@@ -159,6 +160,8 @@ class EngineConfig:
             self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
         self._check_backend()
         get_policy(self.scheduler_policy)  # raises for a bad one; the scheduler makes its own
+        if self.max_num_batched_tokens is None:  # last: every check above may raise first
+            self.max_num_batched_tokens = default_max_num_batched_tokens(self.device)
 
     def _resolve_device(self) -> None:
         if self.device == "auto":

@@ -668,3 +668,9 @@ def test_the_step_budget_defaults_by_device(tiny_dir, monkeypatch):
         monkeypatch.setattr("torch.cuda.get_device_properties", lambda device, p=props: p)
         assert default_max_num_batched_tokens("cuda") == budget
         assert default_max_num_batched_tokens("cuda:1") == budget
+
+    def unreadable(device):
+        raise RuntimeError("no device")
+
+    monkeypatch.setattr("torch.cuda.get_device_properties", unreadable)
+    assert default_max_num_batched_tokens("cuda") == 8192  # the smaller one
