@@ -58,7 +58,7 @@ import numpy as np
 from IPython.display import Markdown, display
 
 from nanovllm import LLM, SamplingParams, smollm2_path
-from nanovllm.benchmarks.workload import bandwidth_bound_seconds, make_workload
+from nanovllm.benchmarks.workload import bandwidth_bound_seconds, bound_bytes, make_workload
 from nanovllm.configs import config_path
 from nanovllm.models import ModelConfig, get_model_class
 from nanovllm.viz import BOOK_COLORS, figures_dir, save_figure, show_source, use_book_style
@@ -179,7 +179,7 @@ for name, value in published.items():
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-show_source(bandwidth_bound_seconds)
+show_source(bound_bytes, bandwidth_bound_seconds)
 
 # %% [markdown]
 # A request with a `p`-token prompt that generates `n` tokens reads `p` cached tokens for its

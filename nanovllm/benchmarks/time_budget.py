@@ -40,7 +40,13 @@ from nanovllm import LLM
 from nanovllm.benchmarks.metadata import run_metadata
 from nanovllm.benchmarks.throughput import copy_bandwidth
 from nanovllm.benchmarks.timing import stopwatch
-from nanovllm.benchmarks.workload import make_workload, request_params, resolve_model, warm_up
+from nanovllm.benchmarks.workload import (
+    bound_bytes,
+    make_workload,
+    request_params,
+    resolve_model,
+    warm_up,
+)
 from nanovllm.configs import SHIPPED
 
 # Kernel kinds, matched in order against each kernel's name (the first match wins).
@@ -124,16 +130,11 @@ def device_time_by_kind(llm: LLM, work, params) -> tuple[dict[str, float], float
     return totals, wall
 
 
-def kv_and_weight_bytes(llm: LLM, work) -> tuple[float, float]:
-    """The bound's two byte counts: every decode step's KV-cache reads, and the weights read
-    once per decode step of the longest request (``bandwidth_bound_seconds``)."""
+def kv_and_weight_bytes(llm: LLM, work) -> tuple[int, int]:
+    """The bound's two byte counts for ``llm``'s model (``workload.bound_bytes``)."""
     runner = llm.engine.runner
-    per_token = llm.engine.model_config.kv_bytes_per_token(runner.kv_dtype.itemsize)
-    kv_tokens = sum(
-        p * n + n * (n - 1) // 2 for p, n in zip(map(len, work.prompts), work.output_lens)
-    )
     weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    return kv_tokens * per_token, max(work.output_lens) * weights
+    return bound_bytes(work, llm.engine.model_config, weights, runner.kv_dtype.itemsize)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -248,13 +248,20 @@ def free(llm: LLM) -> None:
         torch.cuda.empty_cache()
 
 
+def bound_bytes(
+    work: Workload, cfg: ModelConfig, weight_bytes: int, elem: int
+) -> tuple[int, int]:
+    """The bytes the bound counts: every sequence's KV cache so far at each of its decode
+    steps, and all the weights once per step, with all requests decoding together."""
+    kv_token_reads = sum(
+        p * n + n * (n - 1) // 2 for p, n in zip(map(len, work.prompts), work.output_lens)
+    )
+    return kv_token_reads * cfg.kv_bytes_per_token(elem), max(work.output_lens) * weight_bytes
+
+
 def bandwidth_bound_seconds(
     work: Workload, cfg: ModelConfig, weight_bytes: int, elem: int, bandwidth: float
 ) -> float:
     """Least time to run the workload if every decode step must read all weights once and
-    every sequence's KV cache so far, with all requests decoding together."""
-    kv_token_reads = sum(
-        p * n + n * (n - 1) // 2 for p, n in zip(map(len, work.prompts), work.output_lens)
-    )
-    total = kv_token_reads * cfg.kv_bytes_per_token(elem) + max(work.output_lens) * weight_bytes
-    return total / bandwidth
+    every sequence's KV cache so far (``bound_bytes``), at ``bandwidth`` bytes/s."""
+    return sum(bound_bytes(work, cfg, weight_bytes, elem)) / bandwidth
