@@ -37,8 +37,9 @@
 # QKV- and merged-column-parallel layers with their sharding weight loaders),
 # `nanovllm/layers/embed_head.py` (the vocab-parallel embedding and LM head),
 # `nanovllm/engine/executor.py` and `nanovllm/engine/worker.py` (rank 0 starts the workers
-# and sends each step's `StepPlan`), and `nanovllm/benchmarks/tensor_parallel.py` (the
-# measurements). `EngineConfig` switches it on with vLLM's name: `tensor_parallel_size=N`.
+# and sends each step's `StepPlan`), `nanovllm/engine/shm_broadcast.py` (the shared-memory
+# queue that carries it), and `nanovllm/benchmarks/tensor_parallel.py` and
+# `nanovllm/benchmarks/control_plane.py` (the measurements). `EngineConfig` switches it on with vLLM's name: `tensor_parallel_size=N`.
 #
 # On a 2-core CPU the chapter runs in about two minutes; the GPU numbers come from a record
 # (section 7).
@@ -55,8 +56,6 @@
 
 # %%
 import json
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -70,6 +69,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from nanovllm import LLM, SamplingParams, distributed
+from nanovllm.benchmarks import control_plane
+from nanovllm.benchmarks.tensor_parallel import allreduce_sweep
 from nanovllm.configs import config_path
 from nanovllm.layers import embed_head, linear
 from nanovllm.layers.activation import SiluAndMul
@@ -419,8 +420,9 @@ same("ParallelLMHead, 3 slices concatenated", gathered, hidden @ table.T)
 # `LLM(..., tensor_parallel_size=2)` makes this process rank 0: it runs the scheduler, the
 # sampler and shard 0. It starts one worker, `python -m nanovllm.engine.worker`, which loads
 # shard 1 of the same checkpoint and then follows rank 0 step by step: each step rank 0
-# broadcasts a `StepPlan` (the token ids, positions, cache slots and block tables of the
-# step, as host arrays) over a gloo group, and both ranks run the same forward pass, whose
+# sends it a `StepPlan` (the token ids, positions, cache slots and block tables of the
+# step, as host arrays) through shared memory (section 7.1), and both ranks run the same
+# forward pass, whose
 # all-reduces keep them in lockstep. The KV cache is split by KV heads: each rank allocates
 # its own heads' share, and the block manager, on rank 0, is unchanged.
 #
@@ -529,107 +531,63 @@ print(f"TP=2: {seconds_2 * 1e3:6.1f} ms ({seconds_2 / steps * 1e3:.2f} ms per st
 # Each step of a TP engine pays for two kinds of messages. The **all-reduces** of the
 # forward pass (section 2) carry `batch × hidden` numbers each: 2 KiB for one sequence of
 # Qwen3-0.6B in bf16. And before the forward pass the workers must learn what to compute:
-# `nanovllm` pickles the step's `StepPlan` (the token ids, positions, slots and block
-# tables) and broadcasts it with `broadcast_object` over a gloo group (a TCP socket, even
-# between GPUs of one machine), so that control messages never queue behind GPU work. That
-# **control message** lies on the critical path of every step: the worker cannot launch its
-# forward pass before the plan arrives, and rank 0's forward waits at its first all-reduce
-# for the worker's.
+# rank 0 pickles the step's `StepPlan` (the token ids, positions, slots and block tables)
+# and sends it to them. That **control message** lies on the critical path of every step:
+# the worker cannot launch its forward pass before the plan arrives, and rank 0's forward
+# waits at its first all-reduce for the worker's.
 #
-# We measure both between two processes on this CPU with the package's own functions
-# (`init_tensor_parallel`, `all_reduce`, `broadcast_object`): all-reduces of float32
-# messages from 2 KiB to 512 KiB, and decode plans for a context of 1,024 tokens (block
-# tables of 64 blocks) at three batch sizes, sent by rank 0 and received by the worker.
-# (`python -m nanovllm.benchmarks.tensor_parallel --sections allreduce` runs the same
-# all-reduce sweep, with NCCL and CUDA graphs on a GPU machine.) The measurement runs as a
-# script, since a process started with `spawn` must import its code from a file:
+# The obvious way to send it is a `torch.distributed` broadcast, `broadcast_object`, over a
+# gloo group (a TCP socket, even between GPUs of one machine); the package did so at first.
+# The other way, vLLM's, is a **shared-memory message queue**: rank 0 writes the pickled plan
+# into a ring of slots in a file in `/dev/shm` that every worker on the same host has mapped
+# into its memory, and the workers poll it. There is no system call and no trip through the
+# network stack: a worker sees the plan as soon as its chunk number appears (rank 0 writes
+# the number after the bytes, behind a memory barrier). `nanovllm/engine/shm_broadcast.py`
+# is that queue. The engine uses it for the workers it starts itself, and gloo for ranks that
+# a launcher started, which may be on other hosts. A waiting worker spins for 10 ms, then
+# polls every 0.1 ms, and every millisecond once it has waited a second, so an idle server
+# costs next to no CPU.
+#
+# We measure all three between two processes on this CPU with the package's benchmarks:
+# all-reduces of float32 messages from 2 KiB to 512 KiB (`allreduce_sweep`, which runs with
+# NCCL and CUDA graphs on a GPU machine), and plans sent both ways (`control_plane.measure`:
+# decode plans for a context of 1,024 tokens at three batch sizes, and a 16,384-token
+# prefill). A plan's latency runs from rank 0 starting to send it until the worker holds it,
+# unpickled; each is sent while the worker already waits, as between two steps.
 
 # %%
-COSTS_SCRIPT = '''
-import json, pickle, statistics, time
-import numpy as np, torch, torch.multiprocessing as mp
-from nanovllm import distributed
-from nanovllm.engine.executor import free_port
-from nanovllm.engine.model_runner import StepPlan
-
-def decode_plan(batch, width=64):
-    longs = np.arange(4 * batch, dtype=np.int64)  # token ids, positions, slots, sampled rows
-    ints = np.arange(2 * batch + 1 + batch * width, dtype=np.int64)  # cu_q, lens_k, tables
-    return StepPlan(longs, ints, batch, batch, batch, width, 1, batch, False)
-
-def median_us(fn, iters):
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[5:]) * 1e6, out
-
-def rank_main(rank, port, queue):
-    torch.set_num_threads(1)
-    store = distributed.open_store("127.0.0.1", port, rank, 2, 60)
-    distributed.init_tensor_parallel(store, rank, 2, torch.device("cpu"))
-    result = {"allreduce": {}, "plan": {}}
-    for nbytes in (2 << 10, 32 << 10, 512 << 10):
-        x = torch.ones(nbytes // 4)
-        us, _ = median_us(lambda: distributed.all_reduce(x), 100)
-        result["allreduce"][nbytes] = us
-    for batch in (1, 64, 256):
-        plan = decode_plan(batch) if rank == 0 else None
-        us, got = median_us(lambda: distributed.broadcast_object(plan), 200)
-        assert got.num_seqs == batch
-        result["plan"][batch] = {"us": us, "bytes": len(pickle.dumps(decode_plan(batch)))}
-    queue.put((rank, result))
-    distributed.destroy_tensor_parallel(together=True)
-
-if __name__ == "__main__":
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(30)
-    print(json.dumps(results))
-'''
-script = Path(tempfile.mkdtemp(prefix="ch09-costs-")) / "tp_costs.py"
-script.write_text(COSTS_SCRIPT)
-done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                      timeout=300, check=True)
-costs = json.loads(done.stdout.strip().splitlines()[-1])
+allreduce_rows = allreduce_sweep(2, sizes=[2 << 10, 32 << 10, 512 << 10])
+plan_rows = control_plane.measure(iters=100)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-print("all-reduce, 2 gloo processes (median; rank 0 / worker):")
-for nbytes, us in costs["0"]["allreduce"].items():
-    print(f"  {int(nbytes) / 1024:4.0f} KiB: {us:7.0f} / {costs['1']['allreduce'][nbytes]:.0f} us")
-print("control message, broadcast_object of a decode StepPlan (median; rank 0 sends):")
-print("  batch  pickled bytes  rank 0 (us)  worker (us)")
-for batch, row in costs["0"]["plan"].items():
-    print(f"  {batch:>5s} {row['bytes']:14,d} {row['us']:12.0f} "
-          f"{costs['1']['plan'][batch]['us']:12.0f}")
-per_step = 6 * costs["0"]["allreduce"][str(2 << 10)] + costs["0"]["plan"]["1"]["us"]
-print(f"the tiny model's step at TP=2: 6 collectives (2 layers x 2, embedding, logits) and "
-      f"one plan ~ {per_step / 1e3:.1f} ms; measured in section 6: "
-      f"{(seconds_2 - seconds_1) / steps * 1e3:.1f} ms more per step than TP=1")
+print("all-reduce, 2 gloo processes (median, rank 0):")
+for row in allreduce_rows:
+    print(f"  {row['bytes'] / 1024:4.0f} KiB: {row['eager_us']:6.0f} us")
+print("control message, rank 0 -> worker:")
+control_plane.print_table(plan_rows)
+plan_us = {(r["plan"], r["transport"]): r["latency_p50_us"] for r in plan_rows}
+for transport in control_plane.TRANSPORTS:
+    per_step = 6 * allreduce_rows[0]["eager_us"] + plan_us["decode, batch 1", transport]
+    print(f"the tiny model's step at TP=2, plans over {transport}: 6 collectives (2 layers x 2, "
+          f"embedding, logits) and one plan ~ {per_step / 1e3:.1f} ms")
+print(f"measured in section 6 (shared memory): {(seconds_2 - seconds_1) / steps * 1e3:.1f} ms "
+      "more per step than TP=1")
 
 # %% [markdown]
-# On this CPU a gloo message costs hundreds of microseconds whatever its size (the
+# On this CPU a gloo message costs hundreds of microseconds or more whatever its size (the
 # numbers depend on the machine and its load), and the tiny model's steps are almost
 # nothing but messages. The messages do not account for all of section 6's extra time
 # either: the rest is the two processes taking turns on two shared cores, each waking up
 # the other through the kernel at every collective.
 #
-# The control message costs about as much as a small all-reduce, for a few kilobytes:
-# most of it is the fixed cost of a gloo broadcast (two messages, the size then the bytes,
-# through the kernel's TCP stack) and of pickling, not the bytes. On a GPU a decode step of
-# a small model takes one to a few milliseconds (chapter 07), so this is a visible share. It
-# is why vLLM does not send its per-step inputs through `torch.distributed`: its workers
-# read them from a **shared-memory message queue** (a ring buffer in shared memory that
-# rank 0 writes and the workers poll, falling back to a socket only across hosts): no
-# system call, no trip through the network stack. This package keeps the simpler broadcast
-# and measures what it costs.
+# A plan over gloo costs about as much as a small all-reduce, for a few kilobytes: most of
+# it is the fixed cost of a gloo broadcast (two messages, the size then the bytes, through
+# the kernel's TCP stack) and of pickling, not the bytes. Through shared memory what is left
+# is mostly pickling, copying and unpickling, several times less. On a GPU a decode step of
+# a small model takes one to a few milliseconds (chapter 07), so that difference is a
+# visible share of it. Only processes on one host share memory: plans to other hosts still
+# go over gloo (or, in a larger engine, a faster network).
 #
 # ### 7.2 A cost model, against two H200s
 #
@@ -693,12 +651,15 @@ for m, cfg in model_cfgs.items():
 # for both shapes and both batch sizes: a cost per step that the data sent does not explain.
 # The likely culprit is the host side. At TP=1 a step's host work is rank 0's: prepare the
 # batch, copy its inputs, launch the graph. At TP=2, rank 0 also pickles the plan and sends
-# it through gloo (section 7.1), and only then can the worker receive and unpickle it, copy
+# it (through gloo when this record was made), and only then can the worker receive and
+# unpickle it, copy
 # its inputs to its GPU and launch its graph; rank 0's graph waits at its first all-reduce
 # until the worker's arrives, so the worker's host path is in series with the GPUs. (The
 # eager numbers in the record show the same thing louder: TP=2 eager steps are 1.6 to 2.3×
 # TP=1's, because every eager all-reduce costs about 32 µs of launch and
-# synchronisation.)
+# synchronisation.) The record predates the shared-memory queue of section 7.1: on this
+# CPU the queue cuts a plan's latency several times, but how much of the 1.8 to 3.3 ms it
+# recovers on two H200s has not been measured yet.
 
 # %%
 fig, (ax_ar, ax_step) = plt.subplots(1, 2, figsize=(11, 4))
@@ -772,7 +733,8 @@ plt.show()
 # parallel", at up to 2× for a model that fits one GPU). TP is the right tool when the model
 # does not fit, when its cache would be too small on one GPU, or when one request's latency
 # must fall for models large enough that the per-step overhead is small next to the matmuls;
-# a faster control channel (shared memory, section 7.1) lowers that overhead for everyone.
+# the shared-memory queue of section 7.1 attacks that overhead, and a record made with it
+# will show how much of it is left.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -936,11 +898,13 @@ print("Exercise 2 passed: the ring model and its least-squares fit")
 #   equal to the unsplit matmuls by running all ranks in one process. At TP=2 on CPU (gloo,
 #   two processes) the engine's greedy tokens equal TP=1's.
 # - **The price**: a decode all-reduce is a small message, about 9 µs from a CUDA graph on
-#   two NVLinked H200s; the per-step control message (a pickled `StepPlan` over gloo,
-#   hundreds of µs on this CPU) and the worker's host work are on the critical path. On the
+#   two NVLinked H200s; the per-step control message (a pickled `StepPlan`: hundreds of µs
+#   over gloo on this CPU, several times less through the shared-memory queue the package
+#   uses) and the worker's host work are on the critical path. On the
 #   H200 record TP=2 makes no single decode step faster (0.6B: 1.68 → 3.13 ms at batch 1),
 #   and a cost model of half the compute plus the all-reduces leaves 1.8 to 3.3 ms per step
-#   unexplained: a fixed cost per step, most likely that host path, which is why vLLM passes
-#   step inputs through shared memory.
+#   unexplained: a fixed cost per step, most likely that host path, which is why vLLM (and
+#   now this package) passes step inputs through shared memory. That record was made with
+#   plans over gloo.
 # - **Where it wins**: throughput, 1.26× (0.6B) and 1.55× (8B) on the nano-vllm workload with
 #   two GPUs, from split prefill compute and KV capacity; and models that do not fit one GPU.

@@ -5,8 +5,10 @@ so the layers are written once for both cases. With ``tensor_parallel_size=N`` e
 N processes calls ``init_tensor_parallel`` once, before it builds its model: from then on
 ``tp_rank()``/``tp_size()`` say which slice of every weight it holds, ``all_reduce`` sums
 partial results over the N ranks (NCCL between GPUs, gloo between CPU processes), and
-``broadcast_object`` carries the engine's step plans from rank 0 to the others over a
-separate gloo group, so control messages never queue behind GPU work.
+``broadcast_object`` carries control messages from rank 0 to the others over a separate
+gloo group, so that they never queue behind GPU work: the engine's configuration, and its
+step plans to ranks on other hosts (workers on rank 0's host read theirs from shared
+memory, ``engine/shm_broadcast.py``).
 
 The ranks meet through a ``TCPStore`` that rank 0 hosts, at ``MASTER_ADDR:MASTER_PORT``
 (torch.distributed's own environment variables), so ranks may run on several hosts.

@@ -4,6 +4,7 @@ hygiene -- workers stop on every kind of exit, and a dead worker is an error, no
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import subprocess
@@ -161,6 +162,14 @@ def test_a_worker_killed_mid_generation_fails_the_call_within_seconds(tiny):
     llm.shutdown()
 
 
+def test_local_workers_receive_their_steps_through_shared_memory(tiny):
+    with LLM(tiny, num_kv_blocks=64, tensor_parallel_size=2) as llm:
+        queue = llm.engine.runner.executor.queue
+        assert queue is not None and not os.path.exists(queue.path)  # mapped, name deleted
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert queue._count >= GREEDY.max_tokens  # at least a chunk per step went through it
+
+
 def test_two_engines_one_after_another_in_one_process(tiny):
     first = tokens(tiny, tensor_parallel_size=2)
     assert tokens(tiny, tensor_parallel_size=2) == first
@@ -185,6 +194,7 @@ print("DONE", flush=True)
 
 @pytest.mark.parametrize("ending", ["normal", "exception", "ctrl-c", "killed"])
 def test_no_orphaned_workers(tiny, tmp_path, ending):
+    rings_before = set(glob.glob("/dev/shm/nanovllm-mq-*"))
     script = tmp_path / "run.py"
     script.write_text(textwrap.dedent(SCRIPT.format(path=tiny)))
     proc = subprocess.Popen([sys.executable, str(script), ending], stdout=subprocess.PIPE,
@@ -200,6 +210,7 @@ def test_no_orphaned_workers(tiny, tmp_path, ending):
         proc.kill()
     proc.wait(60)
     assert wait_gone(pids) == [], f"workers left running after a {ending} exit"
+    assert set(glob.glob("/dev/shm/nanovllm-mq-*")) <= rings_before  # no step ring left
     assert (proc.returncode == 0) == (ending == "normal"), proc.stderr.read()
 
 
@@ -215,6 +226,7 @@ def test_ranks_started_by_a_launcher_on_loopback(tiny, tmp_path):
         from nanovllm import LLM, SamplingParams
         with LLM({tiny!r}, num_kv_blocks=64, tensor_parallel_size=2, dtype="float32") as llm:
             assert llm.engine.runner.executor.workers == []
+            assert llm.engine.runner.executor.queue is None  # steps over gloo: maybe remote
             outs = llm.generate({PROMPTS!r}, SamplingParams(temperature=0, max_tokens=16,
                                 ignore_eos=True), use_tqdm=False)
         print([o.token_ids for o in outs])

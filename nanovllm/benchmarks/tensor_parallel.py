@@ -45,23 +45,26 @@ GPU_SIZES = [2 << 10 << (2 * k) for k in range(9)]  # 2 KB .. 128 MB, then 256 M
 CPU_SIZES = [2 << 10 << (2 * k) for k in range(6)]  # 2 KB .. 2 MB (gloo is slow)
 
 
-def _allreduce_rank(rank: int, world: int, port: int, sizes: list[int], queue) -> None:
+def _allreduce_rank(rank: int, world: int, port: int, sizes: list[int], iters: int,
+                    queue) -> None:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(rank)
+    else:  # the ranks share the host's cores
+        torch.set_num_threads(1)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=world)
     dtype, device = (torch.bfloat16, "cuda") if cuda else (torch.float32, "cpu")
     rows = []
     for size in sizes:
         x = torch.ones(size // dtype.itemsize, dtype=dtype, device=device)
-        row = {"bytes": size, "eager_us": _time(lambda x=x: dist.all_reduce(x), cuda)}
+        row = {"bytes": size, "eager_us": _time(lambda x=x: dist.all_reduce(x), cuda, iters)}
         if cuda:  # ten all-reduces captured in one graph, as a decode step captures them
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 for _ in range(10):
                     dist.all_reduce(x)
-            row["graph_us"] = _time(graph.replay, cuda) / 10
+            row["graph_us"] = _time(graph.replay, cuda, iters) / 10
         for mode in ("eager", "graph"):
             if f"{mode}_us" in row:
                 row[f"{mode}_busbw_gbs"] = 2 * (world - 1) / world * size / row[f"{mode}_us"] / 1e3
@@ -80,15 +83,16 @@ def _time(fn, cuda: bool, iters: int = 20) -> float:
     return sorted(times)[iters // 2] * 1e6
 
 
-def allreduce_sweep(world: int, sizes: list[int] | None = None) -> list[dict]:
-    """All-reduce latency and bus bandwidth by message size over ``world`` processes."""
+def allreduce_sweep(world: int, sizes: list[int] | None = None, iters: int = 20) -> list[dict]:
+    """All-reduce latency and bus bandwidth by message size over ``world`` processes
+    (medians of ``iters`` calls)."""
     gpu = torch.cuda.is_available()
     sizes = sizes or (GPU_SIZES + [256 << 20] if gpu else CPU_SIZES)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_allreduce_rank, args=(r, world, port, sizes, queue))
+    procs = [ctx.Process(target=_allreduce_rank, args=(r, world, port, sizes, iters, queue))
              for r in range(world)]
     for p in procs:
         p.start()

@@ -2,9 +2,10 @@
 
 Rank 0 (the process that built the ``LLM``) runs the scheduler, the sampler and shard 0 of
 the model; ranks 1..N-1 are worker processes (``worker.py``) that hold the other shards
-and follow rank 0 step by step. Each step rank 0 broadcasts a small ``StepPlan`` (token
-ids, positions, slots, block tables: host arrays) over a gloo group; then all ranks run
-the same forward pass, whose all-reduces keep them in lockstep.
+and follow rank 0 step by step. Each step rank 0 sends a small ``StepPlan`` (token ids,
+positions, slots, block tables: host arrays) through a shared-memory ring
+(``shm_broadcast.py``; over a gloo group to ranks on other hosts); then all ranks run the
+same forward pass, whose all-reduces keep them in lockstep.
 
 Process hygiene, because leaked GPU processes are the classic failure of multi-process
 engines:
@@ -38,6 +39,7 @@ import torch
 import nanovllm
 from nanovllm import distributed
 from nanovllm.config import EngineConfig
+from nanovllm.engine.shm_broadcast import MessageQueue
 
 STARTUP_TIMEOUT = 300.0  # seconds for every worker to join (imports, CUDA init, weights)
 STOP_TIMEOUT = 10.0  # seconds a worker gets to exit before it is killed
@@ -92,6 +94,9 @@ class TPExecutor:
         store = distributed.open_store(host, port, 0, n, STARTUP_TIMEOUT)
         store.set("nanovllm/device_type", device.type)
         self.workers: list[subprocess.Popen] = []
+        # Steps go through shared memory to the workers started here (this host), over
+        # gloo to ranks a launcher started, which may be on other hosts.
+        self.queue = None if external else MessageQueue.create(num_readers=n - 1)
         if not external:
             for rank in range(1, n):
                 self.workers.append(subprocess.Popen(
@@ -100,13 +105,17 @@ class TPExecutor:
                 ))
         # Stop the workers even if nobody calls shutdown (the engine is dropped, or the
         # interpreter exits): this holds no reference to self, only to the process list.
-        self._finalizer = weakref.finalize(self, _stop, self.workers)
+        self._finalizer = weakref.finalize(self, _stop, self.workers, self.queue)
         try:
             self._wait_for_workers(store, n)
             distributed.init_tensor_parallel(store, 0, n, device)
             # Workers need the config; a user's policy object stays here (only rank 0
             # schedules) -- it may not even be importable in another process.
-            distributed.broadcast_object(dataclasses.replace(config, scheduler_policy="fcfs"))
+            worker_config = dataclasses.replace(config, scheduler_policy="fcfs")
+            handle = self.queue.handle() if self.queue is not None else None
+            distributed.broadcast_object((worker_config, handle))
+            if self.queue is not None:
+                self.queue.wait_until_attached(self.check_workers)
         except BaseException:
             self.shutdown(polite=False)
             raise
@@ -145,9 +154,12 @@ class TPExecutor:
             time.sleep(0.05)
 
     def send(self, message: tuple) -> None:
-        """Broadcast one message to every worker (after checking they are all alive)."""
+        """Send one message to every worker (after checking they are all alive)."""
         self.check_workers()
-        distributed.broadcast_object(message)
+        if self.queue is not None:
+            self.queue.put(message, check=self.check_workers)
+        else:
+            distributed.broadcast_object(message)
 
     def wait_for(self, event: torch.cuda.Event) -> None:
         """``event.synchronize()``, except that a worker's death raises instead of hanging
@@ -169,14 +181,16 @@ class TPExecutor:
                     and all(p.poll() is None for p in self.workers))
         if together:
             try:
-                distributed.broadcast_object(("stop",))
-            except RuntimeError:  # a worker went away meanwhile
+                self.send(("stop",))
+            except RuntimeError:  # a worker went away meanwhile (WorkerDiedError, gloo's)
                 together = False
         distributed.destroy_tensor_parallel(together)  # the workers leave theirs meanwhile
         self._finalizer()
 
 
-def _stop(workers: list[subprocess.Popen]) -> None:
+def _stop(workers: list[subprocess.Popen], queue: MessageQueue | None) -> None:
+    if queue is not None:
+        queue.close()
     for proc in workers:
         if proc.stdin is not None:
             proc.stdin.close()  # end-of-file: the worker's watch thread exits it

@@ -23,6 +23,7 @@ import torch
 
 from nanovllm import distributed
 from nanovllm.engine.executor import STARTUP_TIMEOUT
+from nanovllm.engine.shm_broadcast import MessageQueue
 
 
 def _exit_when_stdin_closes() -> None:
@@ -46,7 +47,12 @@ def main() -> None:
     on_cuda = store.get("nanovllm/device_type").decode() == "cuda"
     device = torch.device(f"cuda:{local_rank}" if on_cuda else "cpu")
     distributed.init_tensor_parallel(store, rank, world_size, device)
-    config = distributed.broadcast_object()
+    config, queue_handle = distributed.broadcast_object()
+    # Rank 0 started this worker on its own host: steps come through shared memory.
+    if queue_handle is not None:
+        receive = MessageQueue.attach(queue_handle, reader=rank - 1).get
+    else:
+        receive = distributed.broadcast_object
     config.device = str(device) if config.device.startswith("cuda") else "cpu"
     if config.device == "cpu":  # share the cores with the other ranks instead of fighting
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
@@ -56,7 +62,7 @@ def main() -> None:
 
     runner = ModelRunner(config, ModelConfig.from_pretrained(config.model))
     while True:
-        message = distributed.broadcast_object()
+        message = receive()
         if message[0] == "step":
             runner.follow(message[1])
         elif message[0] == "call":

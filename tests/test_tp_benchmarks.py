@@ -1,0 +1,41 @@
+"""The tensor-parallel measuring tools on CPU (chapter 09): the control-plane benchmark sends
+real plans both ways and records what it measured; the all-reduce sweep runs at any size."""
+
+from __future__ import annotations
+
+import json
+
+from nanovllm.benchmarks import control_plane
+from nanovllm.benchmarks.tensor_parallel import allreduce_sweep
+
+
+def test_control_plane_records_both_transports_for_every_plan(tmp_path, capsys):
+    out = tmp_path / "control.json"
+    control_plane.main(["--iters", "20", "--out", str(out)])
+    record = json.loads(out.read_text())
+    assert record["command"].startswith("python -m nanovllm.benchmarks.control_plane")
+    assert record["device"].startswith("CPU") and record["date"]
+    rows = record["rows"]
+    names = list(control_plane.plans())
+    assert [(r["plan"], r["transport"]) for r in rows] == [
+        (n, t) for n in names for t in control_plane.TRANSPORTS]
+    for row in rows:
+        assert 0 < row["sender_p50_us"] and 0 < row["latency_p50_us"] <= row["latency_p90_us"]
+    sizes = {r["plan"]: r["bytes"] for r in rows}
+    assert sizes["decode, batch 1"] < sizes["decode, batch 64"] < sizes["decode, batch 256"]
+    assert sizes["prefill, 16,384 tokens"] > sizes["decode, batch 256"]
+    assert capsys.readouterr().out.count("shm") == len(names)
+
+
+def test_plans_have_the_shapes_of_real_steps():
+    plan = control_plane.decode_plan(64, context=1024, block_size=16)
+    assert plan.num_tokens == plan.num_seqs == plan.num_decodes == 64 and plan.width == 64
+    assert plan.ints.size == 2 * 65 + 64 * 64
+    prefill = control_plane.prefill_plan(tokens=4096, seqs=4, block_size=16)
+    assert prefill.num_tokens == 4096 and prefill.max_seqlen_q == 1024 and prefill.width == 64
+
+
+def test_allreduce_sweep_at_chosen_sizes():
+    rows = allreduce_sweep(2, sizes=[2 << 10, 8 << 10], iters=5)
+    assert [r["bytes"] for r in rows] == [2 << 10, 8 << 10]
+    assert all(r["eager_us"] > 0 and r["eager_busbw_gbs"] > 0 for r in rows)
