@@ -36,7 +36,7 @@
 #    workload and a long-tailed one. That waste is the reason for chapter 04's paged cache.
 #
 # **Package modules taught here:** `nanovllm/models/model_config.py` (`kv_bytes_per_token`),
-# `nanovllm/engine/model_runner.py` (how the engine sizes and allocates its cache),
+# `nanovllm/engine/kv_cache.py` (how the engine sizes and allocates its cache),
 # `nanovllm/layers/attention.py` and `nanovllm/layers/torch_attention.py` (how attention writes
 # and reads the cache), `nanovllm/context.py` (the per-step attention metadata; `None` means no
 # cache), and `nanovllm/models/llama.py` (the model whose cache we build).
@@ -316,15 +316,15 @@ from nanovllm.layers import torch_attention
 show_source(torch_attention.store_kv, torch_attention.decode_attention)
 
 # %% [markdown]
-# The model runner (`nanovllm/engine/model_runner.py`) allocates the whole cache once, at
-# start-up, as a single tensor `[2, layers, blocks, block_size, kv_heads, head_dim]`, and hands
-# each attention layer its two slices:
+# The model runner allocates the whole cache once, at start-up (`nanovllm/engine/kv_cache.py`),
+# as a single tensor `[2, layers, blocks, block_size, kv_heads, head_dim]`, and hands each
+# attention layer its two slices:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.kv_cache import allocate_kv_cache
 
-show_source(ModelRunner._allocate_kv_cache)
+show_source(allocate_kv_cache)
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -619,7 +619,9 @@ for name, c in models.items():
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-show_source(ModelRunner.kv_bytes_per_block, ModelRunner._kv_budget_in_blocks)
+from nanovllm.engine.kv_cache import kv_budget_in_blocks, kv_bytes_per_block
+
+show_source(kv_bytes_per_block, kv_budget_in_blocks)
 
 # %%
 # NBVAL_CHECK_OUTPUT

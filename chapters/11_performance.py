@@ -1066,13 +1066,13 @@ print(f"recorded H200 decode kernel, block size 256 vs 16: times differ by at mo
 #
 # **`gpu_memory_utilization`** sets how much GPU memory the engine may fill. After loading the
 # weights the runner runs one forward pass of the largest step to measure the activations, and
-# gives the KV cache what is left of the allowed share (`ModelRunner._kv_budget_in_blocks`):
+# gives the KV cache what is left of the allowed share (`nanovllm/engine/kv_cache.py`):
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine import kv_cache
 
-show_source(ModelRunner._kv_budget_in_blocks)
+show_source(kv_cache.activation_bytes, kv_cache.kv_budget_in_blocks)
 
 # %% [markdown]
 # On a CPU the budget is `kv_cache_memory` (1 GiB by default) or `num_kv_blocks`. On an H200

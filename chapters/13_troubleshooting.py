@@ -35,7 +35,8 @@
 # Package modules used: `nanovllm/engine/invariants.py` (the leak check: `check_invariants`,
 # `checked_steps`, `InvariantError`; `LLMEngine.check_invariants()` calls it), the block
 # manager and scheduler (chapters 04 and 06), `nanovllm/engine/model_runner.py` (the
-# `inference_mode` guard, the KV budget), `nanovllm/engine/input_processor.py` (the
+# `inference_mode` guard), `nanovllm/engine/kv_cache.py` (the KV budget),
+# `nanovllm/engine/input_processor.py` (the
 # `max_model_len` guard), and the records in `figures/data/`. The GPU memory record is made by
 # `tests/gpu/troubleshooting_h200.py` (stage `troubleshooting` of `tests/gpu/h200_session.sh`).
 #
@@ -611,7 +612,7 @@ plt.show()
 #
 # ## 7. GPU memory: what `torch.cuda.memory_summary()` says about the KV budget
 #
-# On a GPU the engine sizes its KV cache at start-up (`ModelRunner._kv_budget_in_blocks`):
+# On a GPU the engine sizes its KV cache at start-up (`kv_cache.kv_budget_in_blocks`):
 # it loads the weights, runs one warm-up forward at the largest step size to measure peak
 # activation memory, and gives the KV cache
 #

@@ -23,6 +23,12 @@ from nanovllm.config import EngineConfig
 from nanovllm.context import AttentionMetadata, attention_metadata
 from nanovllm.engine.cuda_graphs import DecodeGraphs
 from nanovllm.engine.executor import TPExecutor
+from nanovllm.engine.kv_cache import (
+    activation_bytes,
+    allocate_kv_cache,
+    kv_budget_in_blocks,
+    kv_bytes_per_block,
+)
 from nanovllm.engine.sampling_metadata import SamplingInputs
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
@@ -37,8 +43,6 @@ from nanovllm.layers.sampler import Sampler, compute_logprobs
 from nanovllm.models import ModelConfig, get_model_class
 from nanovllm.weights.loader import load_dummy, load_safetensors
 
-CPU_KV_CACHE_BYTES = 1 << 30
-SIZING_TOKENS = 4096  # tokens of the warm-up pass that sizes activations (see _warm_up)
 PROMPT_LOGPROB_ROWS = 512  # prompt positions scored at once: bounds the [rows, vocab] logits
 
 
@@ -75,11 +79,14 @@ class ModelRunner:
             layer.backend = self.backend
         # The GPU backends bring fused norm, RoPE and activation kernels too (chapter 11).
         set_fused_kernels(self.model, self.backend.name in GPU_BACKENDS)
-        if self.device.type == "cuda":
-            self._warm_up()  # measures peak activation memory before sizing the KV cache
+        # How many blocks fit (chapter 03): on a GPU, after the largest step's activations.
+        activations = (activation_bytes(self.model, config, self.device)
+                       if self.device.type == "cuda" else 0.0)
+        blocks = kv_budget_in_blocks(config, self.device, self.kv_bytes_per_block(), activations)
         # Every rank's cache must hold the same blocks: the smallest budget wins.
-        self.num_kv_blocks = distributed.min_over_ranks(self._kv_budget_in_blocks(), self.device)
-        self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
+        self.num_kv_blocks = distributed.min_over_ranks(blocks, self.device)
+        self.kv_cache = allocate_kv_cache(model_config, self.attention_layers, self.num_kv_blocks,
+                                          self.block_size, self.kv_dtype, self.device)
         self.sampler = Sampler(config.seed, self.device)
         self.sampling_inputs = SamplingInputs(model_config.vocab_size, self.device, self._to_device)
         self._in_flight_tokens = torch.empty(0, dtype=torch.int64, device=self.device)
@@ -135,61 +142,9 @@ class ModelRunner:
             self.dtype,
         )
 
-    @torch.inference_mode()
-    def _warm_up(self) -> None:
-        """One forward pass without a cache, to size the activations of the largest step.
-
-        Without a cache the pass is one causal sequence, whose attention grows with its
-        square, while a real step's tokens come from many sequences. So it runs at most
-        ``SIZING_TOKENS`` tokens, and the peak is scaled up to the step's token budget: the
-        activations that dominate (the matmuls') grow linearly with the tokens."""
-        torch.cuda.reset_peak_memory_stats(self.device)
-        budget = self.config.max_num_batched_tokens
-        n = min(budget, self.config.max_model_len, SIZING_TOKENS)
-        ids = torch.zeros(n, dtype=torch.int64, device=self.device)
-        hidden = self.model(ids, torch.arange(n, device=self.device))
-        self.model.compute_logits(hidden[: self.config.max_num_seqs])
-        torch.cuda.synchronize(self.device)
-        self._activation_scale = budget / n
-
     def kv_bytes_per_block(self) -> int:
-        """Bytes of one block of this rank's cache (its 1/tp_size of the KV heads)."""
-        per_token = self.model_config.kv_bytes_per_token(self.kv_dtype.itemsize)
-        return per_token // distributed.tp_size() * self.block_size
-
-    def _kv_budget_in_blocks(self) -> int:
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        if self.config.kv_cache_memory is not None:
-            budget = self.config.kv_cache_memory
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            stats = torch.cuda.memory_stats(self.device)
-            # Room the activations took during warm-up must stay free for real steps.
-            activations = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
-            activations *= self._activation_scale
-            budget = free - (1 - self.config.gpu_memory_utilization) * total - activations
-        else:
-            budget = CPU_KV_CACHE_BYTES
-        blocks = int(budget // self.kv_bytes_per_block())
-        if blocks < 1:
-            raise ValueError(
-                f"the KV-cache budget ({budget / 2**30:.2f} GiB) does not hold one block; on a "
-                "GPU another engine in this process may hold the memory (delete it), or pass "
-                "num_kv_blocks= or kv_cache_memory= explicitly"
-            )
-        return blocks
-
-    def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
-        cfg = self.model_config
-        heads = cfg.num_kv_heads // distributed.tp_size()  # this rank's share
-        shape = (2, cfg.num_layers, num_blocks, self.block_size, heads, cfg.head_dim)
-        # Zeros, not empty: the torch backend reads (masked) padding slots, and garbage
-        # NaNs there would survive the mask (0 * NaN = NaN).
-        cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-        for i, layer in enumerate(self.attention_layers):
-            layer.k_cache, layer.v_cache = cache[0, i], cache[1, i]
-        return cache
+        """Bytes of one block of this rank's cache (``kv_cache.kv_bytes_per_block``)."""
+        return kv_bytes_per_block(self.model_config, self.block_size, self.kv_dtype)
 
     # -- one step ------------------------------------------------------------------------
     def prepare(self, batch: ScheduledBatch) -> PreparedBatch:
