@@ -549,14 +549,14 @@ print(f"TP=2: {seconds_2 * 1e3:6.1f} ms ({seconds_2 / steps * 1e3:.2f} ms per st
 # costs next to no CPU.
 #
 # We measure all three between two processes on this CPU with the package's benchmarks:
-# all-reduces of float32 messages from 2 KiB to 512 KiB (`allreduce_sweep`, which runs with
-# NCCL and CUDA graphs on a GPU machine), and plans sent both ways (`control_plane.measure`:
+# all-reduces of float32 messages from 2 KiB to 512 KiB (`allreduce_sweep`; with
+# `device="cuda"` it measures NCCL, eager and from a CUDA graph), and plans sent both ways (`control_plane.measure`:
 # decode plans for a context of 1,024 tokens at three batch sizes, and a 16,384-token
 # prefill). A plan's latency runs from rank 0 starting to send it until the worker holds it,
 # unpickled; each is sent while the worker already waits, as between two steps.
 
 # %%
-allreduce_rows = allreduce_sweep(2, sizes=[2 << 10, 32 << 10, 512 << 10])
+allreduce_rows = allreduce_sweep(2, sizes=[2 << 10, 32 << 10, 512 << 10], iters=100, device="cpu")
 plan_rows = control_plane.measure(iters=100)
 
 # %%

@@ -4,9 +4,14 @@ real plans both ways and records what it measured; the all-reduce sweep runs at 
 from __future__ import annotations
 
 import json
+import time
+
+import pytest
+import torch
 
 from nanovllm.benchmarks import control_plane
-from nanovllm.benchmarks.tensor_parallel import allreduce_sweep
+from nanovllm.benchmarks.tensor_parallel import _allreduce_rank, allreduce_sweep, spawn_ranks
+from nanovllm.engine.executor import free_port
 
 
 def test_control_plane_records_both_transports_for_every_plan(tmp_path, capsys):
@@ -39,3 +44,20 @@ def test_allreduce_sweep_at_chosen_sizes():
     rows = allreduce_sweep(2, sizes=[2 << 10, 8 << 10], iters=5)
     assert [r["bytes"] for r in rows] == [2 << 10, 8 << 10]
     assert all(r["eager_us"] > 0 and r["eager_busbw_gbs"] > 0 for r in rows)
+
+
+def test_allreduce_sweep_refuses_more_gpus_than_there_are():
+    with pytest.raises(ValueError, match="needs 2 GPUs"):
+        allreduce_sweep(2, device="cuda") if torch.cuda.device_count() < 2 else pytest.skip()
+
+
+def test_a_failing_rank_is_an_error_at_once_not_a_wait():
+    """Rank 1 dies (here: CUDA asked of a machine without it, or rank 1 of one GPU); rank 0
+    waits in the rendezvous for it forever, so the caller must not wait for rank 0."""
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("every rank finds its GPU here")
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="exited with code"):
+        spawn_ranks(_allreduce_rank, 2, (2, free_port(), [2048], 1, True), results=1,
+                    timeout=300)
+    assert time.monotonic() - start < 60

@@ -30,10 +30,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from nanovllm import distributed
 from nanovllm.benchmarks.metadata import run_metadata
+from nanovllm.benchmarks.tensor_parallel import spawn_ranks
 from nanovllm.engine.executor import free_port
 from nanovllm.engine.shm_broadcast import MessageQueue
 from nanovllm.engine.step import StepPlan
@@ -103,14 +103,7 @@ def _us(values: list[float], q: float) -> float:
 
 def measure(iters: int = 200) -> list[dict]:
     """One row per plan and transport: bytes, latency and sender time (µs, p50 and p90)."""
-    ctx = mp.get_context("spawn")
-    results, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, iters, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    marks = dict(results.get(timeout=600) for _ in procs)
-    for p in procs:
-        p.join(60)
+    marks = dict(spawn_ranks(_rank, 2, (free_port(), iters), results=2))
     skip = min(10, iters // 10)  # first messages: page faults, lazy set-up
     rows = []
     for name, plan in plans().items():

@@ -26,7 +26,9 @@ import gc
 import json
 import os
 import platform
+import time
 from pathlib import Path
+from queue import Empty
 
 import torch
 import torch.distributed as dist
@@ -45,9 +47,40 @@ GPU_SIZES = [2 << 10 << (2 * k) for k in range(9)]  # 2 KB .. 128 MB, then 256 M
 CPU_SIZES = [2 << 10 << (2 * k) for k in range(6)]  # 2 KB .. 2 MB (gloo is slow)
 
 
+def spawn_ranks(target, world: int, args: tuple, results: int, timeout: float = 600) -> list:
+    """Run ``target(rank, *args, queue)`` in ``world`` spawned processes and return the
+    ``results`` objects they put on ``queue``. A rank that fails is an error at once, not a
+    wait of ``timeout`` seconds for what it will never send."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, *args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    out, deadline, ok = [], time.monotonic() + timeout, False
+    try:
+        while len(out) < results:
+            try:
+                out.append(queue.get(timeout=1))
+            except Empty:
+                failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode]
+                if failed:
+                    rank, code = failed[0]
+                    raise RuntimeError(
+                        f"rank {rank} exited with code {code} (its error is above)") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ranks sent no results within {timeout:.0f} s") from None
+        ok = True
+    finally:
+        for p in procs:
+            if ok:
+                p.join(60)
+            if p.is_alive():
+                p.kill()
+    return out
+
+
 def _allreduce_rank(rank: int, world: int, port: int, sizes: list[int], iters: int,
-                    queue) -> None:
-    cuda = torch.cuda.is_available()
+                    cuda: bool, queue) -> None:
     if cuda:
         torch.cuda.set_device(rank)
     else:  # the ranks share the host's cores
@@ -83,22 +116,19 @@ def _time(fn, cuda: bool, iters: int = 20) -> float:
     return sorted(times)[iters // 2] * 1e6
 
 
-def allreduce_sweep(world: int, sizes: list[int] | None = None, iters: int = 20) -> list[dict]:
+def allreduce_sweep(world: int, sizes: list[int] | None = None, iters: int = 20,
+                    device: str | None = None) -> list[dict]:
     """All-reduce latency and bus bandwidth by message size over ``world`` processes
-    (medians of ``iters`` calls)."""
-    gpu = torch.cuda.is_available()
-    sizes = sizes or (GPU_SIZES + [256 << 20] if gpu else CPU_SIZES)
+    (medians of ``iters`` calls): NCCL with one GPU per rank on ``device="cuda"`` (the
+    default where there is a GPU), gloo on ``"cpu"``."""
+    cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
+    if cuda and world > torch.cuda.device_count():
+        raise ValueError(f"an all-reduce over {world} GPUs needs {world} GPUs; this machine "
+                         f"has {torch.cuda.device_count()} (device='cpu' measures gloo)")
+    sizes = sizes or (GPU_SIZES + [256 << 20] if cuda else CPU_SIZES)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_allreduce_rank, args=(r, world, port, sizes, iters, queue))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    rows = queue.get(timeout=600)
-    for p in procs:
-        p.join(60)
+    [rows] = spawn_ranks(_allreduce_rank, world, (world, free_port(), sizes, iters, cuda),
+                         results=1)
     return rows
 
 
