@@ -32,6 +32,7 @@
 # as measured on an H200 GPU, with the memory-copy ceiling and with cuDNN's attention.
 #
 # Package modules taught here: `nanovllm/kernels/decode_attention.py` (the decode kernel),
+# `nanovllm/kernels/split_kv.py` (the split count and the merge of the splits),
 # `nanovllm/kernels/store_kv.py` (the cache-write kernel), the `triton` backend in
 # `nanovllm/layers/attention.py`, and the benchmark `nanovllm/benchmarks/decode_kernel.py`.
 
@@ -388,11 +389,11 @@ for num_splits in (1, 2, 3, 5):
 # and the result is unchanged. Splitting is not free: every split writes its partial state to
 # memory and the merge reads it back, and with many sequences the grid is already full. So the
 # package splits only when the batch is too small to fill the GPU. Its rule,
-# `choose_num_splits`, aims at a few programs per SM and never gives a split fewer than 64
+# `choose_num_splits` (`nanovllm/kernels/split_kv.py`), aims at a few programs per SM and never gives a split fewer than 64
 # keys. Here is what it picks on an H200 (132 SMs) for Qwen3-0.6B's 8 KV heads:
 
 # %%
-from nanovllm.kernels.decode_attention import choose_num_splits
+from nanovllm.kernels.split_kv import choose_num_splits
 
 print("batch   programs without split   splits (ctx 1024)   splits (ctx 4096)")
 for batch in (1, 4, 16, 32, 33, 64, 256):
@@ -415,13 +416,15 @@ for batch in (1, 4, 16, 32, 33, 64, 256):
 # online softmax in base 2: scores are multiplied by `scale · log2(e)` once, so the kernel can
 # use the cheaper `exp2` ($2^{x\log_2 e} = e^x$, the same numbers). With one split it
 # normalises and writes the output itself; otherwise it writes `(m, ℓ, acc)` to fp32 scratch
-# and `_combine_splits_kernel` performs the log-sum-exp merge.
+# and `_combine_splits_kernel` (in `nanovllm/kernels/split_kv.py`, with `choose_num_splits`)
+# performs the log-sum-exp merge.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 from nanovllm.kernels import decode_attention as decode_module
+from nanovllm.kernels import split_kv
 
-show_source(decode_module._decode_split_kernel, decode_module._combine_splits_kernel)
+show_source(decode_module._decode_split_kernel, split_kv._combine_splits_kernel)
 
 # %% [markdown]
 # The Python launcher checks the shapes, picks the split count, allocates the partials only

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from IPython.display import Markdown
 
 from nanovllm.engine.block_manager import chain_hash
 from nanovllm.viz import source
+
+Markdown = pytest.importorskip("IPython.display").Markdown  # (a bare GPU image lacks IPython)
 
 
 def shown(monkeypatch, *objects) -> str:

@@ -44,7 +44,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("the decode benchmark needs Triton (`pip install triton`)") from exc
 
 from nanovllm.benchmarks.metadata import run_metadata
-from nanovllm.kernels.decode_attention import _num_sms, choose_num_splits, decode_attention
+from nanovllm.kernels.decode_attention import decode_attention
+from nanovllm.kernels.split_kv import choose_num_splits, num_sms
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128  # Qwen3-0.6B
 DTYPE = torch.bfloat16
@@ -215,7 +216,7 @@ def bench_shape(batch, ctx, block_size, copy_bw, gen, with_sdpa: bool, sweep_spl
     q, k_cache, v_cache, seq_lens, tables = make_case(batch, ctx, block_size, gen)
     scale = HEAD_DIM**-0.5
     splits = choose_num_splits(
-        batch, NUM_KV_HEADS, tables[0].shape[1] * block_size, _num_sms(q.device)
+        batch, NUM_KV_HEADS, tables[0].shape[1] * block_size, num_sms(q.device)
     )
 
     def decode(table, ns=None):
@@ -301,7 +302,7 @@ def main(argv=None):
 
     result = {
         **run_metadata("nanovllm.benchmarks.decode_kernel", argv, "cuda"),
-        "num_sms": _num_sms(torch.device("cuda")),
+        "num_sms": num_sms(torch.device("cuda")),
         "shape": {
             "num_heads": NUM_HEADS,
             "num_kv_heads": NUM_KV_HEADS,

@@ -24,7 +24,8 @@ Algorithm (one program per ``(sequence, kv head, split)``):
    split the first kernel normalizes and writes the output itself.
 
 ``num_splits=None`` picks the split count with :func:`choose_num_splits` from shapes only (no
-device synchronization, so the call can be captured in a CUDA graph).
+device synchronization, so the call can be captured in a CUDA graph). The split count, the
+partials' buffers and the merge kernel live in ``split_kv.py`` beside this file.
 
 Taught in chapter 05 (``chapters/05_paged_attention_kernel``). This is the ``triton`` attention
 backend's decode path; ``store_kv`` (beside this file) fills the cache it reads.
@@ -51,29 +52,16 @@ range, so keys outside the window are never read; without it the kernel is uncha
 
 from __future__ import annotations
 
-import functools
-import math
-import os
-
 import torch
 import triton  # nanovllm/kernels/__init__.py explains a missing triton
 import triton.language as tl
 
 from nanovllm.kernels import check_launchable
+from nanovllm.kernels.split_kv import choose_num_splits, combine_splits, num_sms, split_partials
 
-__all__ = ["decode_attention", "choose_num_splits"]
+__all__ = ["decode_attention"]
 
 LOG2E = 1.4426950408889634
-
-# num_splits=None (see choose_num_splits): split only when the batch gives fewer than
-# FULL_PROGRAMS_PER_SM programs per SM; then aim for TARGET_PROGRAMS_PER_SM, never giving a split
-# fewer than MIN_SPLIT_TOKENS keys, and never more than MAX_SPLITS splits. Tuned on an H200
-# (132 SMs) with `python -m nanovllm.benchmarks.decode_kernel --sweep-splits`.
-FULL_PROGRAMS_PER_SM = 2
-TARGET_PROGRAMS_PER_SM = 4
-MIN_SPLIT_TOKENS = 64
-MAX_SPLITS = 32
-
 
 # Per-step values (split counts, the block table's width, slices of the step's metadata) are
 # not specialized on, so a new batch shape never triggers a compile mid-serving (see
@@ -221,89 +209,6 @@ def _decode_split_kernel(
         tl.store(acc_ptr + part[:, None] * D_PAD + d[None, :], acc, mask=out_mask)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
-def _combine_splits_kernel(
-    m_ptr,
-    l_ptr,
-    acc_ptr,
-    out_ptr,
-    num_splits,
-    stride_ob,
-    stride_oh,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-):
-    """Merge the split-KV partials of one (sequence, query head) into its output row.
-
-    Handout (chapter 05 §6, assignment ``05.combine_splits``): this program is
-    ``(b, h) = (tl.program_id(0), tl.program_id(1))`` of a ``[B, num_heads]`` grid. Split s of
-    ``num_splits`` left, at index ``part = (b * num_heads + h) * num_splits + s``, its running
-    max ``m_ptr[part]`` (base-2 scores, ``-inf`` for a split that saw no key), its running sum
-    ``l_ptr[part]`` and its unnormalised output ``acc_ptr[part * D_PAD + d]`` for
-    ``d < D_PAD``, all fp32. Store the merged row ``sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M)
-    l_s`` with ``M = max_s m_s`` at ``out_ptr + b * stride_ob + h * stride_oh + d`` for
-    ``d < HEAD_DIM``, cast to the output's dtype. A row whose splits all saw no key (a padded
-    CUDA-graph row) must get zeros, not NaN. Hint: load all splits at once with
-    ``tl.arange(0, SPLITS_PAD)`` and a mask (``other=-inf`` for m, ``0`` for l and acc);
-    ``tl.exp2``, ``tl.max``, ``tl.sum(x, 0)`` and ``tl.where`` are all you need.
-    """
-    # >>> assignment 05.combine_splits (7 points)
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    num_heads = tl.num_programs(1)
-    s = tl.arange(0, SPLITS_PAD)
-    d = tl.arange(0, D_PAD)
-    s_mask = s < num_splits
-    part = (b * num_heads + h) * num_splits + s
-
-    m = tl.load(m_ptr + part, mask=s_mask, other=float("-inf"))
-    l = tl.load(l_ptr + part, mask=s_mask, other=0.0)  # noqa: E741
-    acc = tl.load(acc_ptr + part[:, None] * D_PAD + d[None, :], mask=s_mask[:, None], other=0.0)
-
-    m_max = tl.max(m, 0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # all splits empty (seq_len 0)
-    w = tl.exp2(m - m_max)  # empty splits: 2^-inf = 0
-    l_sum = tl.sum(w * l, 0)
-    out = tl.sum(w[:, None] * acc, 0) / tl.where(l_sum > 0.0, l_sum, 1.0)
-    tl.store(
-        out_ptr + b * stride_ob + h * stride_oh + d,
-        out.to(out_ptr.dtype.element_ty),
-        mask=d < HEAD_DIM,
-    )
-    # <<< assignment 05.combine_splits
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return os.cpu_count() or 1  # interpreter: one "SM" per core keeps CPU grids small
-
-
-def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """How many chunks to cut each sequence's keys into (split-KV).
-
-    The grid has ``batch * num_kv_heads * num_splits`` programs. If ``batch * num_kv_heads``
-    already gives every SM ``FULL_PROGRAMS_PER_SM`` programs, splitting only adds partials to
-    write and merge: 1. Otherwise aim for ``TARGET_PROGRAMS_PER_SM * num_sms`` programs, so every
-    SM holds several and memory latency is hidden, but give no split fewer than
-    ``MIN_SPLIT_TOKENS`` of the ``max_seq_len`` keys and make at most ``MAX_SPLITS``.
-    On an H200 (132 SMs), 8 KV heads: batch >= 33 -> 1; batch 16 -> 5; batch 1 at 4096 keys -> 32.
-
-    Handout (chapter 05 §6, assignment ``05.num_splits``): return that rule as an int >= 1,
-    from the four arguments and the module's four constants only (no device query: the call
-    must be capturable in a CUDA graph). ``programs`` below 1 counts as 1.
-    """
-    # >>> assignment 05.num_splits (3 points)
-    programs = batch * num_kv_heads
-    if programs >= FULL_PROGRAMS_PER_SM * num_sms:
-        return 1
-    wanted = math.ceil(TARGET_PROGRAMS_PER_SM * num_sms / max(programs, 1))
-    return max(1, min(wanted, max_seq_len // MIN_SPLIT_TOKENS, MAX_SPLITS))
-    # <<< assignment 05.num_splits
-
-
 def _launch_config(head_dim: int, on_gpu: bool) -> tuple[int, int, int]:
     """(BLOCK_N keys per tile, num_warps, num_stages): fixed, no autotuning.
 
@@ -377,7 +282,7 @@ def decode_attention(
     on_gpu = q.device.type == "cuda"
     if num_splits is None:
         max_len = block_tables.shape[1] * page  # a bound known without a device sync
-        num_splits = choose_num_splits(batch, num_kv_heads, max_len, _num_sms(q.device))
+        num_splits = choose_num_splits(batch, num_kv_heads, max_len, num_sms(q.device))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 
@@ -387,14 +292,8 @@ def decode_attention(
     if block_n < 16 or triton.next_power_of_2(block_n) != block_n:
         raise ValueError(f"BLOCK_N must be a power of two >= 16, got {block_n}")
     single = num_splits == 1
-    if single:
-        m_part = l_part = acc_part = out  # unused by the kernel
-    else:
-        m_part = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
-        l_part = torch.empty_like(m_part)
-        acc_part = torch.empty(
-            (batch, num_heads, num_splits, d_pad), dtype=torch.float32, device=q.device
-        )
+    # One split normalizes and writes the output itself: no partials (the kernel ignores them).
+    m_part, l_part, acc_part = (out,) * 3 if single else split_partials(out, num_splits, d_pad)
     # fp32 caches need exact fp32 dots; the interpreter cannot multiply bf16 (see docstring).
     # An fp8 cache computes in q's dtype.
     dot_dtype = q.dtype if fp8_kv else k_cache.dtype
@@ -440,17 +339,5 @@ def decode_attention(
         num_stages=num_stages,
     )
     if not single:
-        _combine_splits_kernel[(batch, num_heads)](
-            m_part,
-            l_part,
-            acc_part,
-            out,
-            num_splits,
-            out.stride(0),
-            out.stride(1),
-            HEAD_DIM=head_dim,
-            D_PAD=d_pad,
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
-            num_warps=4,
-        )
+        combine_splits(m_part, l_part, acc_part, out)
     return out

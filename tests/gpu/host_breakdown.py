@@ -30,7 +30,9 @@ import torch
 
 from nanovllm.benchmarks import decode_kernel
 from nanovllm.kernels import decode_attention as kernel_module
-from nanovllm.kernels.decode_attention import choose_num_splits, decode_attention
+from nanovllm.kernels import split_kv
+from nanovllm.kernels.decode_attention import decode_attention
+from nanovllm.kernels.split_kv import choose_num_splits
 
 
 def host_us(fn, calls: int = 200, repeats: int = 5) -> float:
@@ -78,26 +80,24 @@ def breakdown(batch: int, ctx: int = 1024, block_size: int = 16) -> dict:
     row["validate"] = host_us(lambda: decode_attention(*empty))
     heads, d_pad = decode_kernel.NUM_HEADS, 128
 
-    def allocs():
-        m = torch.empty((batch, heads, splits), dtype=torch.float32, device="cuda")
-        torch.empty_like(m)
-        torch.empty((batch, heads, splits, d_pad), dtype=torch.float32, device="cuda")
-
-    row["allocs"] = host_us(allocs) if splits > 1 else 0.0
+    out = torch.empty((batch, heads, decode_kernel.HEAD_DIM), dtype=q.dtype, device="cuda")
+    row["allocs"] = (host_us(lambda: split_kv.split_partials(out, splits, d_pad))
+                     if splits > 1 else 0.0)
     row["choose_splits"] = host_us(
         lambda: choose_num_splits(batch, decode_kernel.NUM_KV_HEADS, table.shape[1] * block_size,
-                                  kernel_module._num_sms(q.device)))
+                                  split_kv.num_sms(q.device)))
     # Capture the launches of one call, then replay each through Triton's launcher alone.
-    names = ("_decode_split_kernel", "_combine_splits_kernel")
-    originals = {n: getattr(kernel_module, n) for n in names}
+    homes = {"_decode_split_kernel": kernel_module, "_combine_splits_kernel": split_kv}
+    names = tuple(homes)
+    originals = {n: getattr(homes[n], n) for n in names}
     recorders = {n: Recorder(k) for n, k in originals.items()}
     try:
         for n, rec in recorders.items():
-            setattr(kernel_module, n, rec)
+            setattr(homes[n], n, rec)
         decode_attention(q, k_cache, v_cache, seq_lens, table, scale)
     finally:
         for n, k in originals.items():
-            setattr(kernel_module, n, k)
+            setattr(homes[n], n, k)
     for n, key in zip(names, ("split_launch", "merge_launch")):
         calls = recorders[n].calls
         if calls:

@@ -36,7 +36,8 @@ def _require_interpreter() -> None:
 
 
 _require_interpreter()
-from nanovllm.kernels.decode_attention import choose_num_splits, decode_attention  # noqa: E402
+from nanovllm.kernels.decode_attention import decode_attention  # noqa: E402
+from nanovllm.kernels.split_kv import choose_num_splits  # noqa: E402
 from nanovllm.kernels.store_kv import store_kv  # noqa: E402
 
 # ----------------------------------------------------------------------------- helpers

@@ -170,6 +170,7 @@ def tiny_llama(tmp_path_factory):
 
 def test_engine_triton_fp8_kv_matches_torch_fp8_kv(tiny_llama):
     from nanovllm import LLM, SamplingParams
+    from nanovllm.layers.fused import set_fused_kernels
 
     gen = torch.Generator().manual_seed(0)
     shared = torch.randint(0, 256, (40,), generator=gen).tolist()
@@ -182,6 +183,10 @@ def test_engine_triton_fp8_kv_matches_torch_fp8_kv(tiny_llama):
                   enforce_eager=True)
         runner = llm.engine.runner
         assert runner.backend.name == backend and runner.kv_cache.dtype == FP8
+        # On a GPU the triton backend also fuses norm and RoPE (chapter 11), whose fp32 results
+        # differ from torch's in the last bits, and an e4m3 rounding boundary can amplify
+        # that into a different byte: compare the caches' stores on the same keys.
+        set_fused_kernels(runner.model, False)
         llm.generate([shared + [1]], greedy, use_tqdm=False)  # cache the shared prefix
         tokens[backend] = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
         assert llm.engine.block_manager.hit_tokens > 0  # a step mixed decodes and prefills
