@@ -33,6 +33,7 @@
 #
 # Package modules taught here: `nanovllm/kernels/decode_attention.py` (the decode kernel),
 # `nanovllm/kernels/split_kv.py` (the split count and the merge of the splits),
+# `nanovllm/kernels/launch_config.py` (the tile sizes, fixed by a measured rule),
 # `nanovllm/kernels/store_kv.py` (the cache-write kernel), the `triton` backend in
 # `nanovllm/layers/attention.py`, and the benchmark `nanovllm/benchmarks/decode_kernel.py`.
 

@@ -9,7 +9,7 @@ Workload: the benchmark's prefill shape, 256 prompts whose lengths are
 Qwen3-0.6B attention (16 query heads, 8 KV heads, head_dim 128; ``--shape`` picks
 another), bf16, no cached prefix, the K/V in a paged cache of block size 256 and 16 with
 shuffled block ids. ``--sweep`` also times a few tile configurations (how
-``default_tiles`` was chosen).
+``launch_config.prefill_tiles`` was chosen).
 
 FLOPs: a causal chunk of q_len queries over k_len keys (prefix k_len - q_len) attends
 ``pairs = q_len * (k_len - q_len) + q_len * (q_len + 1) / 2`` (query, key) pairs; each pair
@@ -225,7 +225,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("the prefill kernel benchmark needs a CUDA GPU")
-    from nanovllm.kernels.prefill_attention import default_tiles
+    from nanovllm.kernels.launch_config import prefill_tiles
 
     lens = prompt_lengths()
     seqs = [(n, n) for n in lens]
@@ -247,7 +247,7 @@ def main(argv=None) -> dict:
         "tiles": dict(
             zip(
                 ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"),
-                default_tiles(head_dim, torch.device("cuda")),
+                prefill_tiles(head_dim, torch.device("cuda")),
             )
         ),
         "correctness_rel_err_vs_sdpa_fp32": check_correctness(shape),

@@ -57,6 +57,7 @@ import triton  # nanovllm/kernels/__init__.py explains a missing triton
 import triton.language as tl
 
 from nanovllm.kernels import check_launchable
+from nanovllm.kernels.launch_config import decode_tiles
 from nanovllm.kernels.split_kv import choose_num_splits, combine_splits, num_sms, split_partials
 
 __all__ = ["decode_attention"]
@@ -209,18 +210,6 @@ def _decode_split_kernel(
         tl.store(acc_ptr + part[:, None] * D_PAD + d[None, :], acc, mask=out_mask)
 
 
-def _launch_config(head_dim: int, on_gpu: bool) -> tuple[int, int, int]:
-    """(BLOCK_N keys per tile, num_warps, num_stages): fixed, no autotuning.
-
-    A sweep of 27 tilings on an H200 (``tests/gpu/decode_launch_sweep.py``,
-    ``figures/data/decode_launch_sweep_h200.json``) found 32/2/2 4-9% faster for head_dim 128
-    at ctx 1024, but 24% slower at batch 64 and ctx 2048, and 14% slower over the whole
-    benchmark (decode attention 4.36 s against 3.82 s): the rule stays."""
-    if not on_gpu:
-        return 32, 4, 1  # interpreter: small tiles keep tests of short sequences cheap
-    return (64, 4, 2) if head_dim <= 128 else (32, 4, 2)
-
-
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -246,7 +235,7 @@ def decode_attention(
     ``K / k_scale`` and ``V / v_scale``; the scales are per-layer scalars.
     ``window`` (optional, >= 1): attend to the last ``window`` keys only (sliding window).
     ``launch`` = (BLOCK_N, num_warps, num_stages) overrides the fixed rule of
-    ``_launch_config`` (for the tile sweep, ``tests/gpu/decode_launch_sweep.py``).
+    ``launch_config.decode_tiles`` (for the tile sweep, ``tests/gpu/decode_launch_sweep.py``).
     Returns ``[B, num_heads, head_dim]`` in ``q``'s dtype. Rows with ``seq_len == 0`` get zeros.
     """
     batch, num_heads, head_dim = q.shape
@@ -288,7 +277,7 @@ def decode_attention(
 
     group = num_heads // num_kv_heads
     d_pad = triton.next_power_of_2(head_dim)
-    block_n, num_warps, num_stages = launch or _launch_config(head_dim, on_gpu)
+    block_n, num_warps, num_stages = launch or decode_tiles(head_dim, on_gpu)
     if block_n < 16 or triton.next_power_of_2(block_n) != block_n:
         raise ValueError(f"BLOCK_N must be a power of two >= 16, got {block_n}")
     single = num_splits == 1

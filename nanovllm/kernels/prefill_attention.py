@@ -48,8 +48,9 @@ import triton  # nanovllm/kernels/__init__.py explains a missing triton
 import triton.language as tl
 
 from nanovllm.kernels import check_launchable
+from nanovllm.kernels.launch_config import prefill_tiles
 
-__all__ = ["prefill_attention", "default_tiles"]
+__all__ = ["prefill_attention"]
 
 
 @triton.jit
@@ -273,32 +274,6 @@ def _is_interpreted() -> bool:
     return type(_prefill_attention_kernel).__name__ == "InterpretedFunction"
 
 
-def default_tiles(head_dim: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) by a fixed rule; no autotuning.
-
-    CPU (Triton interpreter): 32 x 32. The interpreter pays a fixed Python cost per
-    program and per tile operation, almost independent of tile size, so larger tiles run
-    faster (one small mixed batch: 16x16 1.04 s, 32x32 0.59 s, 64x64 0.29 s on 2 cores);
-    32 still splits the tests' and chapters' short sequences into several query and key
-    tiles, so the masked/unmasked split and the block lookups run as they do on a GPU.
-    GPU, measured on an H200 (torch 2.11, triton 3.6) on the benchmark's prefill shape
-    (144,831 tokens, bf16, no prefix; ``python -m nanovllm.benchmarks.prefill_kernel --sweep``):
-    head_dim 128 (16/8 heads): 64 rows x 32 keys, 4 warps, 2 stages -> 234 TFLOP/s at
-    block_size 256, 213 at 16 (128 x 64 with 8 warps: 172/160; torch's ``varlen_attn`` on
-    contiguous K/V: 165). head_dim 64 (9/3 heads): 64 x 64 -> 227/199 (``varlen_attn``
-    107). Small tiles keep the fp32 scores, the accumulator and the K/V pointers in
-    registers; 8 warps or 128-row tiles were slower in every case measured. head_dim 256
-    is untuned (``--shape H KV D`` retunes).
-    """
-    if device.type == "cpu":
-        return 32, 32, 1, 1
-    if head_dim <= 64:
-        return 64, 64, 4, 2
-    if head_dim <= 128:
-        return 64, 32, 4, 2
-    return 32, 32, 4, 2  # head_dim 256: halve the rows to hold the accumulator
-
-
 def _is_pow2(x: int) -> bool:
     return x > 0 and x & (x - 1) == 0
 
@@ -327,7 +302,7 @@ def prefill_attention(
     int32 [B, max_blocks], -1 past each sequence's blocks; scale: softmax scale;
     max_seqlen_q: the largest q_len in the batch. Returns [total_q, num_heads, head_dim]
     in q's dtype. ``out`` (optional) receives the result; ``tiles`` = (BLOCK_M, BLOCK_N,
-    num_warps, num_stages) overrides the rule of :func:`default_tiles` (for tests, the
+    num_warps, num_stages) overrides the rule of ``launch_config.prefill_tiles`` (for tests, the
     benchmark's sweep and chapter 02's experiments; tile sizes are powers of two >= 16).
     The caches may instead be float8 e4m3 (an fp8 KV cache, chapter 08), holding
     ``K / k_scale`` and ``V / v_scale``. ``window`` (optional, >= 1): each query sees only
@@ -369,7 +344,7 @@ def prefill_attention(
     if total_q == 0 or batch == 0 or max_seqlen_q <= 0:
         return out
 
-    tile_m, tile_n, num_warps, num_stages = tiles or default_tiles(head_dim, q.device)
+    tile_m, tile_n, num_warps, num_stages = tiles or prefill_tiles(head_dim, q.device)
     if not (_is_pow2(tile_m) and _is_pow2(tile_n) and tile_m >= 16 and tile_n >= 16):
         raise ValueError(f"BLOCK_M/BLOCK_N must be powers of two >= 16, got {tile_m}/{tile_n}")
     block_tables = block_tables.contiguous()
