@@ -584,6 +584,25 @@ host = json.loads((DATA / "control_plane_h200_host.json").read_text())
 print(f"{host['device']}, {host['date'][:10]}: {host['command']}")
 control_plane.print_table(host["rows"])
 
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
+for ax, (where, rows) in zip(axes, (("this CPU, live", plan_rows),
+                                    ("H200 machine's host, recorded", host["rows"]))):
+    names = list(dict.fromkeys(r["plan"] for r in rows))
+    xs = np.arange(len(names))
+    for k, transport in enumerate(control_plane.TRANSPORTS):
+        p50 = [r["latency_p50_us"] for r in rows if r["transport"] == transport]
+        ax.bar(xs + (k - 0.5) * 0.38, p50, 0.38, color=BOOK_COLORS[k],
+               label="gloo broadcast" if transport == "gloo" else "shared-memory ring")
+    ax.set_xticks(xs, labels=[n.replace(", ", "\n") for n in names], fontsize=9)
+    ax.set(title=where)
+axes[0].set(ylabel="plan latency, rank 0 -> worker (µs, median)")
+axes[0].legend(fontsize=9)
+fig.suptitle("The control message of one step, two ways", fontsize=11)
+fig.tight_layout()
+save_figure(fig, "09_tensor_parallel_control_plane")
+plt.show()
+
 # %% [markdown]
 # On this CPU a gloo message costs hundreds of microseconds or more whatever its size (the
 # numbers depend on the machine and its load), and the tiny model's steps are almost
