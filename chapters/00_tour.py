@@ -325,9 +325,10 @@ print(f"{'total':<36} {total:5d} lines in {len(modules)} modules")
 # the cache slot its key and value go to (from the sequence's block table), runs the model, whose
 # attention layers write the new keys and values into the paged cache and read back everything
 # cached for their sequence, and hands the logits of each sequence's last token to the
-# `Sampler`, which returns one token per sequence. Third, `LLMEngine._apply`, the postprocessing:
-# put each token into its sequence, check the stop conditions, on finishing free the sequence's
-# blocks, and report. `step()` returns one `EngineCoreOutput` per request that progressed: its
+# `Sampler`, which returns one token per sequence. Third, `Scheduler.update_from_output`, the one
+# function that advances a request: count the step's tokens as computed, put each sampled token
+# into its sequence, check the stop conditions, on finishing free the sequence's blocks, and
+# report. `step()` returns one `EngineCoreOutput` per request that progressed: its
 # `request_id`, the `new_token_ids` since its last report and, in the step it ends, its
 # `finish_reason`. That is all the engine hands out; `generate` keeps a `RequestState` per request
 # (`engine/output_processor.py`) that collects these deltas and turns them into the

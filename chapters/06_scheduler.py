@@ -82,9 +82,11 @@ import nanovllm
 from nanovllm import LLM, SamplingParams, smollm2_path
 from nanovllm.engine.async_engine import AsyncEngine
 from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.metrics import TimelineRecorder, latency_summary
 from nanovllm.engine.policies import FairPolicy, MixedPolicy, PriorityPolicy
 from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.scheduler_output import ModelRunnerOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.viz import save_figure, show_source, use_book_style
 
@@ -243,11 +245,24 @@ print(f"lower bound: ceil({sum(LENGTHS)} / {SLOTS}) = {-(-sum(LENGTHS) // SLOTS)
 # NBVAL_IGNORE_OUTPUT
 show_source(Scheduler.schedule, Scheduler._admit)
 
+# %% [markdown]
+# `schedule` only decides; it returns a `SchedulerOutput` (which sequences run, how many new
+# tokens each, what it preempted). The scheduler is also the **one owner of request state**:
+# after the model runner has executed the step, `Scheduler.update_from_output` is the one
+# function that advances a request. It counts the step's tokens as computed, appends each
+# sampled token, checks stop and length, registers the blocks that filled up for prefix caching,
+# and frees whatever finished. So an engine step reads as three lines, schedule, execute, update
+# (`LLMEngine.step`):
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+show_source(LLMEngine.step, Scheduler.update_from_output)
+
 
 # %% [markdown]
 # To check the simulator against the real thing we drive the package's `Scheduler` and
-# `BlockManager` with a *fake model*: a loop that marks the scheduled tokens as computed and
-# appends a dummy token whenever a sequence has computed everything it had. No weights, no
+# `BlockManager` with a *fake model*: `ModelRunnerOutput.constant(batch, 7)` "samples" token 7
+# for every sequence that computed everything it had, and `update_from_output` does the rest. No weights, no
 # tensors: just the scheduling decisions, step by step. `scheduler_spans` returns the same spans
 # as our simulators.
 
@@ -265,14 +280,14 @@ def scheduler_spans(lengths: list[int], slots: int) -> list[tuple[int, int]]:
     first, last, step = {}, {}, 0
     while sched.has_unfinished():
         batch = sched.schedule(now=float(step))
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        for seq in batch.seqs:
             first.setdefault(seq.seq_id, step)
-            seq.num_computed_tokens += n
-            if seq.num_computed_tokens == seq.num_tokens:  # the "model" yields a token
-                seq.token_ids.append(7)
-                if seq.num_output_tokens == seq.params.max_tokens:
-                    sched.finish(seq, "length")
-                    last[seq.seq_id] = step
+        # the "model": token 7 for every sequence that reached its end; the scheduler advances
+        # progress, appends the tokens and finishes what hit max_tokens
+        sched.update_from_output(batch, ModelRunnerOutput.constant(batch, 7))
+        for seq in batch.seqs:
+            if seq.is_finished:
+                last[seq.seq_id] = step
         step += 1
     return [(first[s.seq_id], last[s.seq_id]) for s in seqs]
 

@@ -515,14 +515,16 @@ for mode, r in runs.items():
 # %%
 # NBVAL_IGNORE_OUTPUT
 from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.engine.scheduler import Scheduler
 
-show_source(LLMEngine.step, LLMEngine._launch)
+show_source(LLMEngine.step, LLMEngine._execute, Scheduler._advance)
 
 # %% [markdown]
 # Two consequences need care. A sequence that stops (an end-of-sequence token, a stop string)
 # is discovered one step late, after it has already been scheduled once more: that step's
-# extra token is dropped (`_apply`). And a sequence that reaches its length limit is known to
-# be done at launch time, so `_launch` takes it off the running list at once. Here is the
+# extra token is dropped (`Scheduler._apply`). And a sequence that reaches its length limit is
+# known to be done as soon as its last step is launched, so `Scheduler._advance` (the first half
+# of `update_from_output`) takes it off the running list at once. Here is the
 # mechanism on SmolLM2 (on this machine; on a CPU "launching" runs the step at once, but the
 # bookkeeping is the same): after one step, the newest token is a placeholder; the next call
 # fills it in; and the answers equal those of the synchronous loop:

@@ -64,7 +64,8 @@ from nanovllm import LLM, SamplingParams, smollm2_path
 from nanovllm.context import attention_metadata
 from nanovllm.engine import invariants
 from nanovllm.engine.invariants import InvariantError, check_invariants
-from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.scheduler_output import SchedulerOutput
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.models import ModelConfig
 from nanovllm.viz import BOOK_COLORS, figures_dir, save_figure, show_source, use_book_style
@@ -288,7 +289,7 @@ runner, bm = grad_llm.engine.runner, grad_llm.engine.block_manager
 N = 128
 seq = grad_llm.engine.make_sequence(corpus[:N], SamplingParams(max_tokens=1))
 assert bm.allocate(seq, N)
-step_inputs = runner.prepare(ScheduledBatch([seq], [N]))
+step_inputs = runner.prepare(SchedulerOutput([seq], [N]))
 
 
 def forward():

@@ -36,7 +36,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         n = seq.num_tokens - len(cached) * BLOCK
         if not self.bm.allocate(seq, n, cached):
             return False
-        seq.num_computed_tokens += n
+        seq.num_computed_tokens = len(cached) * BLOCK + n  # as the scheduler counts them
         self.bm.cache_full_blocks(seq, seq.num_computed_tokens)
         return True
 
@@ -55,22 +55,26 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 return
             seq.token_ids.append(token)
             if not self.bm.allocate(seq, 1):
-                self.bm.free(seq)  # out of blocks: preempted
+                self._free(seq)  # out of blocks: preempted
                 self.live.remove(seq)
                 return
             seq.num_computed_tokens += 1
             self.bm.cache_full_blocks(seq, seq.num_computed_tokens)
 
+    def _free(self, seq: Sequence) -> None:
+        self.bm.free(seq)
+        seq.num_computed_tokens = 0  # the scheduler's part of a preemption
+
     @rule(seq=seqs)
     def finish(self, seq):
         if seq in self.live:
-            self.bm.free(seq)
+            self._free(seq)
             self.live.remove(seq)
 
     @rule(seq=seqs)
     def preempt_and_resume(self, seq):
         if seq in self.live:
-            self.bm.free(seq)
+            self._free(seq)
             self.live.remove(seq)
             if self._admit(seq):
                 self.live.append(seq)
@@ -126,8 +130,54 @@ def test_shared_prefix_is_shared_and_last_token_is_always_computed():
     cached = bm.cached_prefix(again)
     assert cached == first.block_table[:2]
     assert bm.allocate(again, 12 - 2 * BLOCK, cached)
-    assert again.num_computed_tokens == 8
+    assert again.block_table[:2] == cached and len(again.block_table) == 3
+    assert again.num_computed_tokens == 0  # the scheduler counts the cached tokens, not allocate
     assert [bm.blocks[b].ref_count for b in first.block_table] == [2, 2, 1]
+
+
+@pytest.mark.assignment("04.allocate")
+def test_allocate_takes_exactly_what_num_blocks_to_allocate_says():
+    bm = BlockManager(num_blocks=8, block_size=BLOCK)
+    first = Sequence(list(range(10)), PARAMS)
+    assert bm.num_blocks_to_allocate(first, 10) == 3 and bm.can_allocate(first, 10)
+    assert bm.allocate(first, 10)
+    first.num_computed_tokens = 10
+    bm.free(first)  # its two full blocks stay cached, in the free queue
+    first.num_computed_tokens = 0
+    again = Sequence(list(range(10)) + [99], PARAMS)
+    cached = bm.cached_prefix(again)
+    assert len(cached) == 2
+    # 11 tokens = 3 blocks: 2 revived from the free queue + 1 fresh
+    assert bm.num_blocks_to_allocate(again, 11 - 2 * BLOCK, cached) == 3
+    free_before = bm.num_free_blocks
+    assert bm.allocate(again, 11 - 2 * BLOCK, cached)
+    assert free_before - bm.num_free_blocks == 3
+    again.num_computed_tokens = 11
+    assert bm.num_blocks_to_allocate(again, 1) == 0  # 12 tokens: the third block has room
+    assert bm.num_blocks_to_allocate(again, 2) == 1
+
+
+@pytest.mark.assignment("04.allocate")
+def test_allocate_refuses_all_or_nothing():
+    bm = BlockManager(num_blocks=2, block_size=BLOCK)
+    seq = Sequence(list(range(9)), PARAMS)
+    assert not bm.can_allocate(seq, 9)
+    assert not bm.allocate(seq, 9)
+    assert seq.block_table == [] and bm.num_free_blocks == 2 and bm.queried_tokens == 0
+
+
+def test_num_freeable_blocks_counts_blocks_only_those_sequences_hold():
+    bm = BlockManager(num_blocks=8, block_size=BLOCK)
+    a = Sequence(list(range(9)), PARAMS)
+    assert bm.allocate(a, 9)
+    a.num_computed_tokens = 9
+    b = Sequence(list(range(9)), PARAMS)
+    cached = bm.cached_prefix(b)  # a's first two blocks
+    assert bm.allocate(b, 9 - 2 * BLOCK, cached)
+    assert bm.num_freeable_blocks([a]) == 1  # its last block; the shared two stay with b
+    assert bm.num_freeable_blocks([b]) == 1
+    assert bm.num_freeable_blocks([a, b]) == 4
+    assert bm.release_outside_window(a) == 0  # no window: the hook releases nothing
 
 
 def test_chained_hash_depends_on_the_prefix():

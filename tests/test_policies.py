@@ -19,6 +19,7 @@ from nanovllm.engine.policies import (
     get_policy,
 )
 from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.scheduler_output import ModelRunnerOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
 
@@ -51,15 +52,13 @@ class Sim:
     def step(self):
         before = {s.request_id for s in self.sched.running}
         batch = self.sched.schedule(now=self.now)
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        for seq in batch.seqs:
             if seq.request_id not in before and seq.num_computed_tokens == 0:
                 self.admitted.append(seq.request_id)
-            seq.num_computed_tokens += n
-            if seq.num_computed_tokens == seq.num_tokens:
-                seq.token_ids.append(7)
-                if seq.num_output_tokens >= seq.params.max_tokens:
-                    self.sched.finish(seq, "length")
-                    self.finished_step[seq.request_id] = self.steps
+        self.sched.update_from_output(batch, ModelRunnerOutput.constant(batch, 7))
+        for seq in batch.seqs:
+            if seq.is_finished:
+                self.finished_step[seq.request_id] = self.steps
         self.now += 1.0
         self.steps += 1
         return batch

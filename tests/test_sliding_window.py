@@ -75,7 +75,8 @@ def test_release_keeps_table_length_and_counts_blocks_free():
     assert len(seq.block_table) == 10 and bm.num_free_blocks == 7
     bm.free(seq)
     assert bm.num_free_blocks == bm.num_blocks and seq.block_table == []
-    assert seq.num_released_blocks == 0 and seq.num_computed_tokens == 0
+    assert seq.num_released_blocks == 0
+    assert seq.num_computed_tokens == 30  # untouched: resetting it is the scheduler's part
     with pytest.raises(ValueError, match="null block"):
         SlidingWindowBlockManager(num_blocks=1, block_size=4, window=6)
     assert type(make_block_manager(8, 4, True, None)) is BlockManager
@@ -143,8 +144,13 @@ class WindowMachine(RuleBasedStateMachine):
         n = seq.num_tokens - len(cached) * BLOCK
         if not self.bm.allocate(seq, n, cached):
             return False
+        seq.num_computed_tokens = len(cached) * BLOCK  # as the scheduler counts them
         self._compute(seq, n)
         return True
+
+    def _free(self, seq: Sequence) -> None:
+        self.bm.free(seq)
+        seq.num_computed_tokens = 0  # the scheduler's part of a preemption
 
     @rule(target=seqs, tokens=prompts)
     def add(self, tokens):
@@ -161,7 +167,7 @@ class WindowMachine(RuleBasedStateMachine):
             self.bm.release_outside_window(seq)  # as the scheduler does before allocating
             seq.token_ids.append(token)
             if not self.bm.allocate(seq, 1):
-                self.bm.free(seq)
+                self._free(seq)
                 self.live.remove(seq)
                 return
             self._compute(seq, 1)
@@ -169,7 +175,7 @@ class WindowMachine(RuleBasedStateMachine):
     @rule(seq=seqs)
     def finish_or_preempt(self, seq):
         if seq in self.live:
-            self.bm.free(seq)
+            self._free(seq)
             self.live.remove(seq)
 
     @invariant()

@@ -49,7 +49,7 @@ def decode_step_benchmark(
     the engine captured none, e.g. on CPU); ``unfused=True`` also times every mode with the
     fused kernels off (``{mode}_unfused_ms``; the engine stays unfused afterwards).
     """
-    from nanovllm.engine.scheduler import ScheduledBatch
+    from nanovllm.engine.scheduler_output import SchedulerOutput
     from nanovllm.engine.sequence import Sequence
     from nanovllm.layers.fused import set_fused_kernels
 
@@ -65,7 +65,7 @@ def decode_step_benchmark(
     rng = random.Random(0)
     rows = []
     for size in batches:
-        batch = ScheduledBatch()
+        batch = SchedulerOutput()
         for _ in range(size):
             seq = Sequence(
                 [rng.randint(0, 10000) for _ in range(context)],

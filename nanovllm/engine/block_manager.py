@@ -131,6 +131,30 @@ class BlockManager:
         return found
         # <<< assignment 04.cached_prefix
 
+    def num_blocks_to_allocate(
+        self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()
+    ) -> int:
+        """Free blocks that ``allocate(seq, num_new_tokens, cached)`` would take: fresh
+        blocks for the tokens its table does not cover yet, plus the ``cached`` blocks that
+        sit in the free queue (reviving one takes it out of the queue)."""
+        total = seq.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
+        fresh = self.blocks_needed(total) - len(seq.block_table) - len(cached)
+        revived = sum(1 for b in cached if self.blocks[b].ref_count == 0)
+        return max(fresh, 0) + revived
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> bool:
+        return self.num_blocks_to_allocate(seq, num_new_tokens, cached) <= len(self.free_ids)
+
+    def num_freeable_blocks(self, seqs: list[Sequence]) -> int:
+        """Blocks that would go back to the free queue if all of ``seqs`` were freed: those
+        that no other sequence holds."""
+        holders: dict[int, int] = {}
+        for seq in seqs:
+            for b in seq.block_table:
+                if b != self.null_block:
+                    holders[b] = holders.get(b, 0) + 1
+        return sum(1 for b, n in holders.items() if self.blocks[b].ref_count == n)
+
     def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> bool:
         """Give ``seq`` slots for ``num_new_tokens`` more tokens, after adopting the
         ``cached`` prefix blocks (only for a sequence that holds no blocks yet).
@@ -139,25 +163,21 @@ class BlockManager:
         Handout (chapter 04 §3). ``cached`` is what ``cached_prefix`` returned (block ids);
         ``seq.block_table`` is a ``list[int]`` that must end up covering
         ``seq.num_computed_tokens + len(cached) * block_size + num_new_tokens`` tokens.
-        All or nothing: first count the fresh blocks needed plus the cached blocks that
-        sit in ``self.free_ids`` (ref_count 0, they must be revived); if that exceeds the
-        free blocks, return False without touching anything. Otherwise: update the hit-rate
-        counters (``queried_tokens``, ``hit_tokens``) for a sequence's first allocation;
-        adopt each cached block (take it out of ``free_ids`` if it was free, ``ref_count +=
-        1``, append its id to ``seq.block_table`` and its hash to ``seq.block_hashes``);
-        advance ``seq.num_computed_tokens`` past the cached tokens; append fresh blocks with
-        ``self._take_free_block()``; register the blocks this step fills with
-        ``self.cache_full_blocks(seq, seq.num_computed_tokens + num_new_tokens)``; return True.
+        (The scheduler, not this method, then counts the cached tokens as computed: it
+        alone writes ``seq.num_computed_tokens``.) All or nothing: if
+        ``self.can_allocate(...)`` says no, return False without touching anything.
+        Otherwise: update the hit-rate counters (``queried_tokens``, ``hit_tokens``) for a
+        sequence's first allocation; adopt each cached block (take it out of ``free_ids``
+        if it was free, ``ref_count += 1``, append its id to ``seq.block_table`` and its
+        hash to ``seq.block_hashes``); append fresh blocks with ``self._take_free_block()``
+        until the table covers the tokens; register the blocks this step fills with
+        ``self.cache_full_blocks(seq, <tokens covered after this step>)``; return True.
 
-        Hint: ``self.blocks_needed(n)`` is the ceiling of ``n / block_size``; the number of
-        fresh blocks can be negative (the table already covers the tokens).
+        Hint: ``self.blocks_needed(n)`` is the ceiling of ``n / block_size``.
         """
         # >>> assignment 04.allocate (8 points)
         assert not cached or not seq.block_table
-        total = seq.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
-        fresh = self.blocks_needed(total) - len(seq.block_table) - len(cached)
-        revived = sum(1 for b in cached if self.blocks[b].ref_count == 0)
-        if fresh + revived > len(self.free_ids):
+        if not self.can_allocate(seq, num_new_tokens, cached):
             return False
         if not seq.block_table:
             self.queried_tokens += seq.num_tokens
@@ -169,10 +189,10 @@ class BlockManager:
             block.ref_count += 1
             seq.block_table.append(block_id)
             seq.block_hashes.append(block.hash)
-        seq.num_computed_tokens += len(cached) * self.block_size
-        for _ in range(max(fresh, 0)):
+        total = seq.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
+        while len(seq.block_table) < self.blocks_needed(total):
             seq.block_table.append(self._take_free_block())
-        self.cache_full_blocks(seq, seq.num_computed_tokens + num_new_tokens)
+        self.cache_full_blocks(seq, total)
         return True
         # <<< assignment 04.allocate
 
@@ -259,38 +279,49 @@ class BlockManager:
         return serial
 
     def free(self, seq: Sequence) -> None:
-        """Release ``seq``'s blocks and reset its progress to zero tokens.
+        """Release ``seq``'s blocks (the scheduler resets its progress).
 
         Blocks with a hash stay findable until recycled; the tail of a sequence is queued
         for recycling before its (more shareable) head.
 
-        Handout (chapter 04 §3). Walk ``seq.block_table`` from its last block to its first
-        and drop one reference of each (``ref_count -= 1``; going below 0 is a bug: assert).
-        A block at index ``i >= seq.num_computed_tokens // block_size`` was registered when
-        scheduled but never computed: if it has a hash, ``self._forget`` it, and if someone
-        else still holds it, add its id to ``self.orphans``. A block whose count reaches 0
-        goes to the end of ``self.free_ids`` (an ``OrderedDict``: the first is recycled
-        first), except that a block without a hash goes to the front (``move_to_end(...,
-        last=False)``). Finally empty ``seq.block_table`` and ``seq.block_hashes`` and set
-        ``seq.num_computed_tokens = 0``.
+        Handout (chapter 04 §3). Walk ``seq.block_table`` from its last block to its first,
+        skipping slots that hold ``self.null_block`` (a sliding window gave those back
+        already, chapter 12). A block at index ``i >= seq.num_computed_tokens //
+        block_size`` was registered when scheduled but never computed: if it has a hash,
+        ``self._forget`` it, and if someone else still holds it (``ref_count > 1``) add its
+        id to ``self.orphans``. Then drop this sequence's reference with
+        ``self._release(block)``. Finally empty ``seq.block_table`` and
+        ``seq.block_hashes``. Read ``seq.num_computed_tokens``; do not change it.
 
         Hint: walking the table backwards is what queues the tail before the head.
         """
         # >>> assignment 04.free (6 points)
         computed = seq.num_computed_tokens // self.block_size  # blocks whose KV was launched
         for i in reversed(range(len(seq.block_table))):
+            if seq.block_table[i] == self.null_block:
+                continue  # released by the window: no longer this sequence's
             block = self.blocks[seq.block_table[i]]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block.block_id} freed twice"
             if i >= computed and block.hash is not None:
                 self._forget(block)  # registered when scheduled, but never computed
-                if block.ref_count:
+                if block.ref_count > 1:
                     self.orphans.add(block.block_id)
-            if block.ref_count == 0:
-                self.free_ids[block.block_id] = None
-                if block.hash is None:  # nothing worth keeping: recycle it first
-                    self.free_ids.move_to_end(block.block_id, last=False)
+            self._release(block)
         seq.block_table, seq.block_hashes = [], []
-        seq.num_computed_tokens = 0
         # <<< assignment 04.free
+        seq.num_released_blocks, seq.released_serial = 0, None
 
+    def _release(self, block: Block) -> None:
+        """Drop one reference to ``block``; at zero it joins the free queue, at the back if
+        its hash may still serve a later prefix, at the front (recycled first) if not."""
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"block {block.block_id} freed twice"
+        if block.ref_count == 0:
+            self.free_ids[block.block_id] = None
+            if block.hash is None:
+                self.free_ids.move_to_end(block.block_id, last=False)
+
+    def release_outside_window(self, seq: Sequence) -> int:
+        """Give back the blocks of ``seq`` that no future query can see; returns how many.
+        Without a sliding window every key stays visible: none (``sliding_window.py``
+        overrides this, chapter 12). The scheduler calls it before each allocation."""
+        return 0

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from nanovllm.outputs import RequestMetrics
 
 if TYPE_CHECKING:
-    from nanovllm.engine.scheduler import ScheduledBatch
+    from nanovllm.engine.scheduler_output import SchedulerOutput
 
 
 @dataclass
@@ -96,9 +96,9 @@ class TimelineRecorder:
         self.entries: list[tuple[int, str, str, int, float, float]] = []
 
     def record(
-        self, step: int, batch: ScheduledBatch, decodes: list[bool], start: float, end: float
+        self, step: int, batch: SchedulerOutput, start: float, end: float
     ) -> None:
-        for seq, n, is_decode in zip(batch.seqs, batch.num_new_tokens, decodes):
+        for seq, n, is_decode in zip(batch.seqs, batch.num_new_tokens, batch.is_decode):
             kind = "decode" if is_decode else "prefill"
             self.entries.append((step, seq.request_id, kind, n, start, end))
 

@@ -30,7 +30,7 @@ from nanovllm.engine.kv_cache import (
     kv_bytes_per_block,
 )
 from nanovllm.engine.sampling_metadata import SamplingInputs
-from nanovllm.engine.scheduler import ScheduledBatch
+from nanovllm.engine.scheduler_output import SchedulerOutput
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 from nanovllm.engine.step import InFlight, PreparedBatch, StepPlan
 from nanovllm.layers.attention import GPU_BACKENDS, Attention, select_backend
@@ -147,7 +147,7 @@ class ModelRunner:
         return kv_bytes_per_block(self.model_config, self.block_size, self.kv_dtype)
 
     # -- one step ------------------------------------------------------------------------
-    def prepare(self, batch: ScheduledBatch) -> PreparedBatch:
+    def prepare(self, batch: SchedulerOutput) -> PreparedBatch:
         """Pack the batch's new tokens, decodes first, into model inputs."""
         order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1)
         input_ids, positions, slots, cu_q, lens_k, tables = [], [], [], [0], [], []
@@ -240,12 +240,14 @@ class ModelRunner:
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
 
-    def release(self, seq: Sequence) -> None:
-        """Forget per-sequence state once a sequence has finished."""
-        self.sampling_inputs.release(seq)
+    def forget(self, seq_ids: set[int]) -> None:
+        """Drop the per-sequence state of sequences that finished
+        (``SchedulerOutput.finished_seq_ids``)."""
+        for seq_id in seq_ids:
+            self.sampling_inputs.release(seq_id)
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch) -> InFlight:
+    def launch(self, batch: SchedulerOutput) -> InFlight:
         """Queue one step's forward pass and sampling on the device; does not wait for it.
 
         Everything that depends on a single request (its inputs, its sampling settings) is
@@ -365,13 +367,13 @@ class ModelRunner:
             tensors = tensors[4:]
         return step
 
-    def request_errors(self, batch: ScheduledBatch) -> list[tuple[Sequence, Exception]]:
+    def request_errors(self, batch: SchedulerOutput) -> list[tuple[Sequence, Exception]]:
         """After ``launch(batch)`` raised: the sequences whose own preparation fails when
         tried alone, with their errors (empty: the failure is not one request's)."""
         failed = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             try:
-                step = self.prepare(ScheduledBatch([seq], [n]))
+                step = self.prepare(SchedulerOutput([seq], [n]))
                 if step.sample_seqs:
                     self._sampling_inputs(step.sample_seqs)
             except Exception as err:
@@ -390,6 +392,6 @@ class ModelRunner:
         tokens = step.tokens.tolist()
         return [tokens[r] if r >= 0 else None for r in step.logit_rows]
 
-    def run(self, batch: ScheduledBatch) -> list[int | None]:
+    def run(self, batch: SchedulerOutput) -> list[int | None]:
         """One step, start to finish: ``collect(launch(batch))``."""
         return self.collect(self.launch(batch))

@@ -227,6 +227,38 @@ POLICIES: dict[str, Callable[[], Policy]] = {
 }
 
 
+def rank_isolating_failures(
+    policy: Policy, seqs: list[Sequence], now: float
+) -> tuple[list[Sequence], list[tuple[Sequence, Exception]]]:
+    """``policy``'s ranking of ``seqs`` (most important first), and the sequences it fails on
+    when tried alone, with their errors, left out of the ranking. A policy that fails on no
+    sequence alone, or on every one of several, is broken as a whole: its error propagates."""
+    try:
+        return _rank(policy, seqs, now), []
+    except Exception:
+        culprits = [(s, err) for s in seqs if (err := _fails_alone(policy, s, now))]
+        if not culprits or len(culprits) == len(seqs) > 1:
+            raise
+    bad = {id(s) for s, _ in culprits}
+    ordered, more = rank_isolating_failures(policy, [s for s in seqs if id(s) not in bad], now)
+    return ordered, culprits + more
+
+
+def _rank(policy: Policy, seqs: list[Sequence], now: float) -> list[Sequence]:
+    ordered = list(policy.order(seqs, now))
+    if len(ordered) != len(seqs) or {id(s) for s in ordered} != {id(s) for s in seqs}:
+        raise RuntimeError(f"{policy!r}.order must return a permutation of its input")
+    return ordered
+
+
+def _fails_alone(policy: Policy, seq: Sequence, now: float) -> Exception | None:
+    try:
+        _rank(policy, [seq], now)
+    except Exception as err:
+        return err
+    return None
+
+
 def get_policy(policy: str | Policy | OrderFn) -> Policy:
     """A policy from a name in ``POLICIES``, a policy object, or an ``order`` function.
 

@@ -34,9 +34,9 @@ class SamplingInputs:
         self._generators: dict[int, torch.Generator] = {}
         self._prompts: dict[int, np.ndarray] = {}
 
-    def release(self, seq: Sequence) -> None:
-        self._generators.pop(seq.seq_id, None)
-        self._prompts.pop(seq.seq_id, None)
+    def release(self, seq_id: int) -> None:
+        self._generators.pop(seq_id, None)
+        self._prompts.pop(seq_id, None)
 
     def _prompt(self, seq: Sequence) -> np.ndarray:
         """The prompt as an array, made once: the repetition penalty reads it every step."""

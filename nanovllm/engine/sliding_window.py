@@ -25,13 +25,17 @@ zeros the cache was allocated with. Whoever reads a released slot reads finite z
   there would survive: ``0 * NaN``). Hence a reserved block rather than a dangling id or
   ``-1`` (which that kernel would dereference).
 
-**When.** The scheduler releases at the start of every ``schedule()``, before allocating, so
-freed blocks serve the step being scheduled. ``num_computed_tokens`` then counts every step
+**When.** The scheduler calls ``release_outside_window`` (a hook of ``BlockManager``, which
+releases nothing) for each running sequence at the start of every ``schedule()``, before
+allocating, so freed blocks serve the step being scheduled. ``num_computed_tokens`` then counts every step
 already launched. Under async scheduling the previous step may still be running and may still
 read (or write) a block released now; a block given to another sequence in this step is only
 written by this step, which the device runs after the previous one, so the reads come first.
 A release never uses the tokens of the step being scheduled (they would free keys that step's
 own queries read, and a block recycled into the same step would be overwritten first).
+
+**Freeing.** ``BlockManager.free`` skips null slots and ``_release`` puts a block in the free
+queue for both paths, so this class adds no free-list code of its own.
 
 **Prefix caching.** A released block keeps its hash and index entry: its keys and values are
 still right for its prefix, so it waits in the free queue like any freed cached block, and a
@@ -94,26 +98,11 @@ class SlidingWindowBlockManager(BlockManager):
                 seq.released_serial = self._chain_serial(seq, i)
             block = self.blocks[seq.block_table[i]]
             seq.block_table[i] = self.null_block
-            block.ref_count -= 1
-            if block.ref_count == 0:  # as in free: a hashed block stays findable meanwhile
-                self.free_ids[block.block_id] = None
-                if block.hash is None:
-                    self.free_ids.move_to_end(block.block_id, last=False)
+            self._release(block)  # as in free: a hashed block stays findable meanwhile
         released = max(end - start, 0)
         seq.num_released_blocks += released
         self.num_released += released
         return released
-
-    def free(self, seq: Sequence) -> None:
-        """``BlockManager.free`` for the slots ``seq`` still holds (the null block is not
-        its to free)."""
-        n = seq.num_released_blocks
-        # Dropping n slots and n * block_size computed tokens together keeps free's test of
-        # which blocks were computed (index >= computed // block_size) as it was.
-        del seq.block_table[:n]
-        seq.num_computed_tokens -= n * self.block_size
-        seq.num_released_blocks, seq.released_serial = 0, None
-        super().free(seq)
 
 
 def make_block_manager(

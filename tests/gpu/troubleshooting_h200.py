@@ -26,7 +26,7 @@ import torch
 from nanovllm import LLM, SamplingParams
 from nanovllm.configs import config_path
 from nanovllm.context import attention_metadata
-from nanovllm.engine.scheduler import ScheduledBatch
+from nanovllm.engine.scheduler_output import SchedulerOutput
 
 GiB = 2**30
 
@@ -69,7 +69,7 @@ def forward_memory(llm: LLM, num_tokens: int, inference: bool) -> dict[str, floa
     engine = llm.engine
     seq = engine.make_sequence(list(range(100, 100 + num_tokens)), SamplingParams(max_tokens=1))
     assert engine.block_manager.allocate(seq, num_tokens)
-    step = engine.runner.prepare(ScheduledBatch([seq], [num_tokens]))
+    step = engine.runner.prepare(SchedulerOutput([seq], [num_tokens]))
     model = engine.runner.model
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
