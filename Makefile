@@ -132,7 +132,7 @@ grade: weights
 BOOK_SRC ?= build/book_src
 BOOK_OUT ?= build/book
 book: $(SETUP)
-	$(PY) -m nanovllm.viz.book --stage $(BOOK_SRC) --build $(BOOK_OUT)
+	$(PY) -m nanovllm.viz.book --root $(CURDIR) --stage $(BOOK_SRC) --build $(BOOK_OUT)
 
 # Headless Chromium for the book's browser test, from the system packages (Debian: chromium).
 browser:

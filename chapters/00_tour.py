@@ -253,63 +253,28 @@ for out in outputs[:2]:
 #
 # Each chapter builds one component small, in the notebook, then shows the package's version,
 # checks that the two agree, switches the component on in the engine and measures it. Every
-# module's docstring names the chapter that teaches it, so the map below is not typed: the cell
-# reads the chapter titles from `chapters/NN_*.py` and, for each chapter, lists the package
-# modules whose docstrings name it (a module can belong to several chapters). A chapter that
-# modules name but that has no notebook yet is marked as not written yet.
+# module's docstring names the chapter that teaches it, so the map below is not typed:
+# `nanovllm/viz/package_map.py` reads the chapter titles from `chapters/NN_*.py` and, for each
+# chapter, lists the package modules whose docstrings name it (a module can belong to several
+# chapters; the last row holds the modules that name none). A chapter that modules name but that
+# has no notebook yet is marked as not written yet. The README's chapter table is the same table,
+# written by `python -m nanovllm.viz.package_map`, and a test fails when it is stale.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-import ast
-import re
+from nanovllm.viz.package_map import chapter_table, module_tree, package_modules
 
-
-def chapters_named_in(path: Path) -> list[str]:
-    """The chapter numbers a module's docstring mentions, e.g. ['04', '06']."""
-    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
-    found = []
-    for match in re.finditer(r"chapters?\s+((?:\d\d(?:,\s*|\s+and\s+|\s*-\s*)?)+)", doc, re.I):
-        found += re.findall(r"\d\d", match.group(1))
-    return sorted(set(found))
-
-
-root = Path(nanovllm.__file__).parent
-modules = sorted(root.rglob("*.py"))
-titles = {}
-for source in sorted(Path(".").glob("[0-9][0-9]_*.py")):  # the kernel runs in chapters/
-    heading = re.search(r"^# # Chapter \d\d — (.+)$", source.read_text(), re.M)
-    titles[source.name[:2]] = heading.group(1) if heading else source.stem[3:]
-by_chapter = {}
-for path in modules:
-    for chapter in chapters_named_in(path):
-        by_chapter.setdefault(chapter, []).append(str(path.relative_to(root)))
-rows = ["| Chapter | Topic | Modules whose docstring names it (under `nanovllm/`) |", "|---|---|---|"]
-for chapter in sorted(set(titles) | set(by_chapter)):
-    topic = titles.get(chapter, "*not written yet*")
-    names = ", ".join(f"`{m.removesuffix('/__init__.py')}`" for m in by_chapter.get(chapter, []))
-    rows.append(f"| {chapter} | {topic} | {names or '-'} |")
-assert all((root / m).exists() for ms in by_chapter.values() for m in ms)
-display(Markdown("\n".join(rows)))
+modules = package_modules(Path(nanovllm.__file__).parent)
+display(Markdown(chapter_table(modules, Path("."), links=False)))  # the kernel runs in chapters/
 
 # %% [markdown]
-# The same walk, module by module: each with its length in lines and the chapters its docstring
-# names. (The counts change whenever the package does, so nbval does not compare them.)
+# The same walk, module by module: each with its length in lines, the chapters its docstring
+# names and the first sentence of that docstring. (The counts change whenever the package does,
+# so nbval does not compare them.)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-total, shown = 0, set()
-print(f"{'nanovllm/':<36} {'lines':>5}   chapters")
-for path in modules:
-    rel = path.relative_to(root)
-    for depth in range(1, len(rel.parts)):  # print each folder once, before its files
-        folder = rel.parts[:depth]
-        if folder not in shown:
-            shown.add(folder)
-            print("  " * depth + folder[-1] + "/")
-    lines = len(path.read_text().splitlines())
-    total += lines
-    print(f"{'  ' * len(rel.parts) + rel.name:<36} {lines:5d}   {', '.join(chapters_named_in(path))}")
-print(f"{'total':<36} {total:5d} lines in {len(modules)} modules")
+print(module_tree(modules))
 
 # %% [markdown]
 # **The data flow of one step.** `LLM.generate` tokenizes each prompt and wraps it, with its

@@ -17,9 +17,17 @@ from typing import Any
 
 import torch
 
-from nanovllm.engine.policies import get_policy
 from nanovllm.layers.quantization import KV_CACHE_DTYPES, QUANTIZATION_METHODS
-from nanovllm.sampling_params import SEED_RANGE, Rule, check_fields, is_bool, is_int, is_number
+from nanovllm.validation import (
+    Rule,
+    check_fields,
+    is_bool,
+    is_number,
+    is_positive_int,
+    is_seed,
+    one_of,
+    optional,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
@@ -29,20 +37,32 @@ LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 TRITON_MIN_BLOCK_SIZE = 16
 
 
-def _one_of(choices: tuple[str, ...]) -> tuple[Any, str]:
-    return (lambda x: isinstance(x, str) and x in choices), f"one of {choices}"
-
-
-def _optional(test: Any) -> Any:
-    return lambda x: x is None or test(x)
-
-
-def _positive_int(x: object) -> bool:
-    return is_int(x) and x >= 1
+# The built-in scheduling policies (chapter 06), named here so that the config can check a
+# name without importing the engine, which imports the config; engine/policies.py maps each
+# name to its class.
+SCHEDULER_POLICIES = ("fcfs", "priority", "fair", "mixed")
 
 
 def _power_of_two(x: object) -> bool:
-    return _positive_int(x) and x & (x - 1) == 0
+    return is_positive_int(x) and x & (x - 1) == 0
+
+
+def check_scheduler_policy(policy: object) -> None:
+    """Raise ``ValueError`` unless ``policy`` is a name in ``SCHEDULER_POLICIES``, an object
+    with an ``order(seqs, now)`` method, or such a function (``engine/policies.py``)."""
+    if isinstance(policy, type):
+        # A class has an `order` attribute too, but calling it would fail at the first step.
+        name = policy.__name__
+        raise ValueError(f"scheduler_policy got the class {name}; pass an instance, e.g. {name}()")
+    if isinstance(policy, str):
+        if policy not in SCHEDULER_POLICIES:
+            raise ValueError(
+                f"unknown scheduler_policy {policy!r}; choose from {sorted(SCHEDULER_POLICIES)}"
+            )
+    elif not callable(getattr(policy, "order", None)) and not callable(policy):
+        raise ValueError(
+            "scheduler_policy must be a name, an object with order(seqs, now), or such a function"
+        )
 
 
 def default_max_num_batched_tokens(device: str) -> int:
@@ -62,27 +82,26 @@ _RULES: tuple[Rule, ...] = (
     ("model", lambda x: isinstance(x, str | os.PathLike), "a path to a model folder"),
     ("device", lambda x: isinstance(x, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", x),
      "'auto', 'cpu', 'cuda' or 'cuda:N'"),
-    ("dtype", *_one_of(("auto", *DTYPES))),
-    ("load_format", *_one_of(LOAD_FORMATS)),
-    ("max_model_len", _optional(_positive_int), "None or an int >= 1"),
-    ("max_num_seqs", _positive_int, "an int >= 1"),
-    ("max_num_batched_tokens", _optional(_positive_int), "None or an int >= 1"),
+    ("dtype", *one_of(("auto", *DTYPES))),
+    ("load_format", *one_of(LOAD_FORMATS)),
+    ("max_model_len", optional(is_positive_int), "None or an int >= 1"),
+    ("max_num_seqs", is_positive_int, "an int >= 1"),
+    ("max_num_batched_tokens", optional(is_positive_int), "None or an int >= 1"),
     ("block_size", _power_of_two, "a power of two (an int)"),
     ("enable_prefix_caching", is_bool, "a bool"),
     ("enable_chunked_prefill", is_bool, "a bool"),
-    ("attention_backend", *_one_of(ATTENTION_BACKENDS)),
+    ("attention_backend", *one_of(ATTENTION_BACKENDS)),
     ("enforce_eager", is_bool, "a bool"),
-    ("async_scheduling", _optional(is_bool), "None (on for CUDA) or a bool"),
+    ("async_scheduling", optional(is_bool), "None (on for CUDA) or a bool"),
     ("gpu_memory_utilization", lambda x: is_number(x) and 0 < x <= 1, "a number in (0, 1]"),
-    ("num_kv_blocks", _optional(_positive_int), "None or an int >= 1"),
-    ("kv_cache_memory", _optional(_positive_int), "None or a number of bytes >= 1"),
-    ("tensor_parallel_size", _positive_int, "an int >= 1"),
-    ("logprobs_mode", *_one_of(LOGPROBS_MODES)),
-    ("quantization", _optional(_one_of(QUANTIZATION_METHODS)[0]),
+    ("num_kv_blocks", optional(is_positive_int), "None or an int >= 1"),
+    ("kv_cache_memory", optional(is_positive_int), "None or a number of bytes >= 1"),
+    ("tensor_parallel_size", is_positive_int, "an int >= 1"),
+    ("logprobs_mode", *one_of(LOGPROBS_MODES)),
+    ("quantization", optional(one_of(QUANTIZATION_METHODS)[0]),
      f"None or one of {QUANTIZATION_METHODS}"),
-    ("kv_cache_dtype", *_one_of(KV_CACHE_DTYPES)),
-    ("seed", lambda x: is_int(x) and SEED_RANGE[0] <= x <= SEED_RANGE[1],
-     "an int in [-2**63, 2**64 - 1]"),
+    ("kv_cache_dtype", *one_of(KV_CACHE_DTYPES)),
+    ("seed", is_seed, "an int in [-2**63, 2**64 - 1]"),
 )
 
 
@@ -159,7 +178,7 @@ class EngineConfig:
         if self.dtype == "auto":
             self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
         self._check_backend()
-        get_policy(self.scheduler_policy)  # raises for a bad one; the scheduler makes its own
+        check_scheduler_policy(self.scheduler_policy)  # the scheduler builds the policy
         if self.max_num_batched_tokens is None:  # last: every check above may raise first
             self.max_num_batched_tokens = default_max_num_batched_tokens(self.device)
 

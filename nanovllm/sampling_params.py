@@ -4,17 +4,29 @@ Field names follow vLLM's ``SamplingParams`` so that what readers learn here tra
 Every field is validated on construction: a bad value raises ``ValueError`` naming the
 field, the value and what is allowed, before the request ever reaches the engine, where
 it could only fail (or, worse, quietly produce garbage) in the middle of a batch that
-other requests share. The checks are a table of rules, ``(field, test, what is allowed)``;
-``EngineConfig`` (chapter 00) and ``ModelConfig`` reuse the same helpers.
+other requests share. The checks are a table of rules, ``(field, test, what is allowed)``,
+written with the predicates of ``nanovllm/validation.py``, which ``EngineConfig`` (chapter 00),
+``ModelConfig`` and the server's config use too.
 """
 
 from __future__ import annotations
 
-import math
-import numbers
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from nanovllm.validation import (
+    Rule,
+    check_fields,
+    is_bool,
+    is_finite,
+    is_int,
+    is_number,
+    is_optional_str,
+    is_positive_int,
+    is_seed,
+    optional,
+)
 
 # Below this a temperature is treated as 0, i.e. greedy (vLLM's _SAMPLING_EPS): dividing
 # logits by, say, 1e-38 overflows to inf and the softmax turns into NaN.
@@ -22,8 +34,6 @@ SAMPLING_EPS = 1e-5
 # The sampler applies top_p in float32; smaller values would round to 0 there and drop every
 # token. Raised to this they still keep exactly the most likely token, as intended.
 _FP32_TINY = 2.0**-126
-# What torch.Generator.manual_seed accepts: any signed or unsigned 64-bit integer.
-SEED_RANGE = (-(2**63), 2**64 - 1)
 # At most this many logprobs per token (vLLM's default max_logprobs, OpenAI's top_logprobs).
 MAX_LOGPROBS = 20
 # A logit bias is clamped to this, as OpenAI and vLLM do: +-100 already forces or bans a token.
@@ -31,47 +41,6 @@ MAX_LOGIT_BIAS = 100.0
 # top_k travels to the device as a float32 and then an int64; beyond this no vocabulary
 # reaches and the conversion could overflow.
 MAX_TOP_K = 2**31 - 1
-
-Rule = tuple[str, Callable[[Any], bool], str]  # (field, test, what is allowed)
-
-
-def is_int(x: object) -> bool:
-    """An integer, numpy's included, but not a bool (``True`` is not a token count)."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def is_number(x: object) -> bool:
-    """A real number that is not a bool and not NaN (inf passes; see ``is_finite``)."""
-    return isinstance(x, numbers.Real) and not isinstance(x, bool) and x == x
-
-
-def is_finite(x: object) -> bool:
-    """A real number that a float can hold: not NaN, not inf, not an int beyond 1.8e308."""
-    try:
-        return is_number(x) and math.isfinite(float(x))
-    except OverflowError:
-        return False
-
-
-def is_bool(x: object) -> bool:
-    return isinstance(x, bool)
-
-
-def is_optional_str(x: object) -> bool:
-    return x is None or isinstance(x, str)
-
-
-def check_fields(obj: object, rules: Iterable[Rule]) -> None:
-    """Raise ``ValueError`` for the first field of ``obj`` that fails its rule; turn the
-    numbers that pass into plain ``int``/``float`` (numpy scalars would leak downstream)."""
-    for name, test, allowed in rules:
-        value = getattr(obj, name)
-        if not test(value):
-            raise ValueError(f"{type(obj).__name__}.{name} must be {allowed}, got {value!r}")
-        if is_int(value):
-            setattr(obj, name, int(value))
-        elif is_number(value) and not isinstance(value, float):
-            setattr(obj, name, float(value))
 
 
 def _seconds(x: object) -> bool:
@@ -111,15 +80,14 @@ def _bad_words(x: object) -> bool:
 
 
 _RULES: tuple[Rule, ...] = (
-    ("n", lambda x: is_int(x) and x >= 1, "an int >= 1"),
+    ("n", is_positive_int, "an int >= 1"),
     ("temperature", lambda x: is_finite(x) and x >= 0, "a finite number >= 0 (0 = greedy)"),
     ("top_k", lambda x: is_int(x) and (x == -1 or 1 <= x <= MAX_TOP_K),
      f"-1 (off) or an int in [1, {MAX_TOP_K}]"),
     ("top_p", lambda x: is_number(x) and 0 < x <= 1, "a number in (0, 1] (1 = off)"),
     ("min_p", lambda x: is_number(x) and 0 <= x <= 1, "a number in [0, 1] (0 = off)"),
-    ("seed", lambda x: x is None or (is_int(x) and SEED_RANGE[0] <= x <= SEED_RANGE[1]),
-     "None or an int in [-2**63, 2**64 - 1]"),
-    ("max_tokens", lambda x: is_int(x) and x >= 1, "an int >= 1"),
+    ("seed", optional(is_seed), "None or an int in [-2**63, 2**64 - 1]"),
+    ("max_tokens", is_positive_int, "an int >= 1"),
     ("ignore_eos", is_bool, "a bool"),
     ("stop_token_ids", _token_ids, "a token id (int >= 0) or a list of them"),
     ("stop", _stop_strings, "a non-empty string or a list of them"),

@@ -21,7 +21,7 @@ import torch
 from test_scheduler import one_torch_thread  # noqa: F401 -- autouse: one thread per module
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.sampling_params import SEED_RANGE
+from nanovllm.validation import SEED_RANGE
 
 TOL = 1e-4
 KV_BLOCKS = 64

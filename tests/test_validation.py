@@ -24,7 +24,7 @@ from test_scheduler import one_torch_thread  # noqa: F401 -- autouse: one thread
 from nanovllm import LLM, EngineConfig, SamplingParams
 from nanovllm.engine.policies import FairPolicy, PriorityPolicy, get_policy
 from nanovllm.models import ModelConfig, get_model_class
-from nanovllm.sampling_params import SEED_RANGE
+from nanovllm.validation import SEED_RANGE
 from nanovllm.weights.loader import load_safetensors
 
 VOCAB, HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, MAX_POS = 64, 32, 64, 2, 1, 16, 64

@@ -36,7 +36,6 @@ from pathlib import Path
 
 import torch
 
-import nanovllm
 from nanovllm import distributed
 from nanovllm.config import EngineConfig
 from nanovllm.engine.shm_broadcast import MessageQueue
@@ -59,7 +58,7 @@ def _worker_command() -> list[str]:
     """``python -m nanovllm.engine.worker``, importing the same ``nanovllm`` as this process:
     ``-m`` would put the current folder first on ``sys.path``, and a course grader runs in
     the reference tree while the student's package is the one imported here."""
-    root = str(Path(nanovllm.__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])  # this file is <root>/nanovllm/engine/
     boot = f"import sys; sys.path.insert(0, {root!r}); import nanovllm.engine.worker as w; w.main()"
     return [sys.executable, "-c", boot]
 

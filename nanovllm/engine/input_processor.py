@@ -15,8 +15,9 @@ from nanovllm.config import EngineConfig
 from nanovllm.engine.sequence import Sequence
 from nanovllm.inputs import parse_prompt
 from nanovllm.models import ModelConfig
-from nanovllm.sampling_params import SamplingParams, is_int
+from nanovllm.sampling_params import SamplingParams
 from nanovllm.tokenizer import Tokenizer
+from nanovllm.validation import is_int
 
 
 class InputProcessor:

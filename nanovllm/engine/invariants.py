@@ -33,14 +33,27 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from types import SimpleNamespace
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from nanovllm.engine.block_manager import BlockManager, chain_hash
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 from nanovllm.engine.sliding_window import num_blocks_outside_window
 
-if TYPE_CHECKING:
-    from nanovllm.engine.llm_engine import LLMEngine
+
+class SchedulerQueues(Protocol):
+    running: Iterable[Sequence]
+    waiting: Iterable[Sequence]
+
+
+class EngineState(Protocol):
+    """What the check reads of an engine; ``LLMEngine`` has it. A protocol rather than the
+    engine's class, so that this module does not import the engine, which calls it."""
+
+    requests: dict[str, Sequence]  # the live requests by id
+    scheduler: SchedulerQueues
+    block_manager: BlockManager
+
+    def step(self) -> Any: ...
 
 
 class InvariantError(AssertionError):
@@ -97,7 +110,7 @@ def check_refcounts(bm: BlockManager, holders: Iterable[Sequence]) -> list[str]:
     # <<< assignment 13.check_refcounts
 
 
-def _live_sequences(engine: LLMEngine) -> tuple[list[Sequence], list[str]]:
+def _live_sequences(engine: EngineState) -> tuple[list[Sequence], list[str]]:
     """The engine's unfinished sequences, and problems with where they are kept."""
     live = list(engine.requests.values())
     problems = [f"request {s.request_id!r} is finished ({s.finish_reason}) but still listed "
@@ -112,7 +125,7 @@ def _live_sequences(engine: LLMEngine) -> tuple[list[Sequence], list[str]]:
     return live, problems
 
 
-def _departed_holders(engine: LLMEngine, live: list[Sequence]) -> list[str]:
+def _departed_holders(engine: EngineState, live: list[Sequence]) -> list[str]:
     """Requests alive at the previous check, gone now, that kept blocks (finished or
     aborted without a free)."""
     previous = _seen.get(engine, {})
@@ -184,7 +197,7 @@ def _holders(bm: BlockManager, live: list[Sequence]) -> list:
     return held + [SimpleNamespace(request_id="(the block manager)", block_table=[null])]
 
 
-def check_invariants(engine: LLMEngine) -> None:
+def check_invariants(engine: EngineState) -> None:
     """Verify the engine's KV bookkeeping (module docstring); raise ``InvariantError``
     naming the offending requests and blocks. Call it between steps."""
     live, problems = _live_sequences(engine)
@@ -200,7 +213,7 @@ def check_invariants(engine: LLMEngine) -> None:
 
 
 @contextmanager
-def checked_steps(engine: LLMEngine) -> Iterator[LLMEngine]:
+def checked_steps(engine: EngineState) -> Iterator[EngineState]:
     """Within the block, run ``check_invariants`` after every ``engine.step()``."""
     step = engine.step
 

@@ -28,6 +28,7 @@ from collections.abc import Iterable
 from nanovllm.config import EngineConfig
 from nanovllm.distributed import check_divisible
 from nanovllm.engine.input_processor import InputProcessor
+from nanovllm.engine.invariants import check_invariants
 from nanovllm.engine.metrics import EngineStats, StepMetrics, TimelineRecorder
 from nanovllm.engine.model_runner import InFlight, ModelRunner
 from nanovllm.engine.output_processor import EngineCoreOutput
@@ -208,7 +209,5 @@ class LLMEngine:
     def check_invariants(self) -> None:
         """The leak check (chapter 13): raise ``InvariantError`` naming the requests and
         blocks if the KV bookkeeping is inconsistent (``engine/invariants.py``)."""
-        from nanovllm.engine.invariants import check_invariants
-
         check_invariants(self)
 

@@ -34,6 +34,7 @@ import math
 from collections.abc import Callable
 from typing import Protocol
 
+from nanovllm.config import check_scheduler_policy
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 
 OrderFn = Callable[[list[Sequence], float], list[Sequence]]
@@ -262,20 +263,12 @@ def _fails_alone(policy: Policy, seq: Sequence, now: float) -> Exception | None:
 def get_policy(policy: str | Policy | OrderFn) -> Policy:
     """A policy from a name in ``POLICIES``, a policy object, or an ``order`` function.
 
-    Any other value raises ``ValueError``, so ``EngineConfig`` can call this to validate.
+    Any other value raises ``ValueError`` (``check_scheduler_policy``, which ``EngineConfig``
+    runs on construction).
     """
-    if isinstance(policy, type):
-        # A class has an `order` attribute too, but calling it would fail at the first step.
-        name = policy.__name__
-        raise ValueError(f"scheduler_policy got the class {name}; pass an instance, e.g. {name}()")
+    check_scheduler_policy(policy)
     if isinstance(policy, str):
-        if policy not in POLICIES:
-            raise ValueError(f"unknown scheduler_policy {policy!r}; choose from {sorted(POLICIES)}")
         return POLICIES[policy]()
     if callable(getattr(policy, "order", None)):
         return policy
-    if callable(policy):
-        return FunctionPolicy(policy)
-    raise ValueError(
-        "scheduler_policy must be a name, an object with order(seqs, now), or such a function"
-    )
+    return FunctionPolicy(policy)

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from nanovllm.layers.rotary import SCALING_TYPES, scaling_type
-from nanovllm.sampling_params import Rule, is_bool, is_finite, is_int
+from nanovllm.validation import Rule, is_bool, is_finite, is_int, is_positive_int
 
 REQUIRED = (
     "architectures",
@@ -41,10 +41,6 @@ REQUIRED = (
     "num_hidden_layers",
     "num_attention_heads",
 )
-
-
-def _positive_int(x: object) -> bool:
-    return is_int(x) and x >= 1
 
 
 def _positive_number(x: object) -> bool:
@@ -63,7 +59,7 @@ def _token_ids(x: object) -> bool:
 # Optional fields may also be absent or null; the model's defaults apply then.
 _RULES: tuple[Rule, ...] = (
     ("architectures", _class_names, 'a list of class names, e.g. ["LlamaForCausalLM"]'),
-    *((name, _positive_int, "an int >= 1") for name in (
+    *((name, is_positive_int, "an int >= 1") for name in (
         "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
         "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings")),
     ("rms_norm_eps", _positive_number, "a number > 0"),
@@ -73,8 +69,8 @@ _RULES: tuple[Rule, ...] = (
     ("tie_word_embeddings", is_bool, "true or false"),
     ("attention_bias", is_bool, "true or false"),
     ("eos_token_id", _token_ids, "a token id (int >= 0) or a list of them"),
-    ("sliding_window", _positive_int, "an int >= 1"),
-    ("original_max_position_embeddings", _positive_int, "an int >= 1"),
+    ("sliding_window", is_positive_int, "an int >= 1"),
+    ("original_max_position_embeddings", is_positive_int, "an int >= 1"),
 )
 
 

@@ -38,7 +38,7 @@ from typing import Any
 
 from nanovllm.config import EngineConfig
 from nanovllm.engine.policies import POLICIES
-from nanovllm.sampling_params import is_int, is_number
+from nanovllm.validation import is_int, is_number
 
 ENGINE_SHORTCUTS = ("dtype", "quantization", "tensor_parallel_size", "max_num_seqs",
                     "max_model_len", "load_format")

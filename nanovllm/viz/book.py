@@ -8,10 +8,11 @@ map (titles read from the notebooks) and the runtime table (read from the notebo
 metadata: nbclient records when each cell started and finished). GPU runtimes come from executed
 copies under ``figures/data/gpu_runs/NN_name.<device>.ipynb`` where a GPU run was recorded.
 
-    python -m nanovllm.viz.book --stage build/book_src --build build/book
+    python -m nanovllm.viz.book --stage build/book_src --build build/book [--root .]
 
-writes the HTML to build/book/_build/html.
-The engine never imports this; see the Makefile's ``book`` target and tests/test_book.py.
+run from the repository (or given its folder with ``--root``), writes the HTML to
+build/book/_build/html. The engine never imports this; see the Makefile's ``book`` target and
+tests/test_book.py.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
 MAP_MARK = "<!-- chapter-map -->"
 RUNTIME_MARK = "<!-- runtime-table -->"
 
@@ -115,8 +115,19 @@ def runtime_table(infos: list[ChapterInfo]) -> str:
     return "\n".join(lines)
 
 
-def stage(out: Path, root: Path = ROOT) -> list[ChapterInfo]:
-    """Copy the book's sources into ``out`` (emptied first) and fill the landing page."""
+def book_root(root: Path) -> Path:
+    """``root``, if it holds the book's sources (``book/intro.md`` and ``chapters/``); else a
+    clear error, rather than a half-built book."""
+    if not ((root / "book" / "intro.md").is_file() and (root / "chapters").is_dir()):
+        raise ValueError(f"{root.resolve()} holds no book/intro.md and chapters/: pass the "
+                         "repository's folder (--root, default: the current folder)")
+    return root
+
+
+def stage(out: Path, root: Path) -> list[ChapterInfo]:
+    """Copy the book's sources under ``root`` (the repository) into ``out`` (emptied first)
+    and fill the landing page."""
+    book_root(root)
     if out.exists():
         shutil.rmtree(out)
     shutil.copytree(root / "book", out)
@@ -149,9 +160,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--stage", type=Path, required=True, help="staging folder (emptied)")
     parser.add_argument("--build", type=Path, help="render the staged book into this folder")
-    parser.add_argument("--root", type=Path, default=ROOT, help="repository with book/, chapters/")
+    parser.add_argument("--root", type=Path, default=Path.cwd(),
+                        help="the repository, with book/ and chapters/ (default: here)")
     args = parser.parse_args(argv)
-    infos = stage(args.stage, root=args.root)
+    try:
+        infos = stage(args.stage, root=args.root)
+    except ValueError as error:
+        parser.error(str(error))
     print(f"staged {len(infos)} chapters in {args.stage}")
     print(runtime_table(infos))
     if args.build:

@@ -73,14 +73,17 @@ def figures_dir(start: Path | None = None) -> Path:
     """The repository's `figures/` folder.
 
     Found by walking up from `start` (default: the current directory, `chapters/` when a notebook
-    runs) to the first folder that holds both `figures/` and `nanovllm/`; falls back to the folder
-    above the package, which is the repository root for an editable install.
+    runs) to the first folder that holds both `figures/` and `nanovllm/`. Outside a checkout there
+    is none, and this raises rather than write figures somewhere unexpected.
     """
     here = (start or Path.cwd()).resolve()
     for folder in (here, *here.parents):
         if (folder / "figures").is_dir() and (folder / "nanovllm").is_dir():
             return folder / "figures"
-    return Path(__file__).resolve().parents[2] / "figures"
+    raise FileNotFoundError(
+        f"no figures/ folder beside nanovllm/ in {here} or above it: the book's figures live in "
+        "the repository, so run from inside a checkout (a chapter runs in chapters/)"
+    )
 
 
 def save_figure(fig: Any, name: str) -> Path:
