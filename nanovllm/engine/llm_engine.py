@@ -105,12 +105,10 @@ class LLMEngine:
         return self.input_processor.make_sequences(prompt, params, request_id, priority)
 
     def add_sequence(self, seq: Sequence) -> None:
-        """Put a validated sequence into the scheduler's waiting queue. A generated request
-        id never collides: one in use is replaced by a fresh one."""
-        if seq.request_id in self.requests:
-            if seq.has_user_request_id:
-                raise ValueError(f"request id {seq.request_id!r} is already in use")
-            seq.rename(self.requests)
+        """Put a validated sequence into the scheduler's waiting queue. Its request id is
+        claimed here (``RequestIds``: a user's id in use raises ``ValueError``, a generated
+        one is given now) unless its request's id was claimed whole already."""
+        self.input_processor.request_ids.claim([seq])
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
 
@@ -124,9 +122,10 @@ class LLMEngine:
         """Validate and queue one request (vLLM's signature); returns its id, generated
         when ``request_id`` is None. Its reports carry that id (and the sample's index)."""
         seqs = self.make_sequences(prompt, params, request_id, priority)
+        request_id = self.input_processor.request_ids.claim(seqs)
         for seq in seqs:
             self.add_sequence(seq)
-        return seqs[0].parent_id
+        return request_id
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[EngineCoreOutput]:
         """Finish requests with reason "abort", freeing their KV blocks now; returns the
@@ -271,10 +270,7 @@ class LLMEngine:
             return "stop", token
         if params.stop and self.tokenizer is not None:
             if seq.detokenizer is None:  # only requests with stop strings need text here
-                seq.detokenizer = IncrementalDetokenizer(
-                    self.tokenizer, params.stop, params.include_stop_str_in_output,
-                    params.skip_special_tokens, params.min_tokens,
-                )
+                seq.detokenizer = IncrementalDetokenizer.for_params(self.tokenizer, params)
             seq.detokenizer.push([token])
             if seq.detokenizer.stop_reason is not None:
                 return "stop", seq.detokenizer.stop_reason
