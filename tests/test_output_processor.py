@@ -120,6 +120,10 @@ def test_a_user_id_is_reusable_once_its_request_finished(llm):
     engine.add_request("again", PROMPTS[2], greedy(3))
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("again", PROMPTS[2], greedy(3))
+    seq = engine.make_sequence(PROMPTS[2], greedy(3))
+    engine.add_sequence(seq)  # claims a generated id
+    with pytest.raises(ValueError, match="added already"):
+        engine.add_sequence(seq)
     run_to_end(llm, {})
     assert engine.add_request("again", PROMPTS[2], greedy(3)) == "again"
     run_to_end(llm, {})

@@ -109,6 +109,8 @@ class LLMEngine:
         claimed here (``RequestIds``: a user's id in use raises ``ValueError``, a generated
         one is given now) unless its request's id was claimed whole already."""
         self.input_processor.request_ids.claim([seq])
+        if seq.request_id in self.requests:  # (claiming is idempotent: a second add ends here)
+            raise ValueError(f"sequence {seq.request_id!r} was added already")
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
 
