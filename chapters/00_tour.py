@@ -295,9 +295,9 @@ print(module_tree(modules))
 # into its sequence, check the stop conditions, on finishing free the sequence's blocks, and
 # report. `step()` returns one `EngineCoreOutput` per request that progressed: its
 # `request_id`, the `new_token_ids` since its last report and, in the step it ends, its
-# `finish_reason`. That is all the engine hands out; `generate` keeps a `RequestState` per request
-# (`engine/output_processor.py`) that collects these deltas and turns them into the
-# `RequestOutput`, text included, when the request is done. (On a GPU the engine applies a step's
+# `finish_reason`. That is all the engine hands out; `generate` feeds these deltas to an
+# `OutputProcessor` (`engine/output_processor.py`, the async engine's too), whose `RequestState`
+# per request turns them into the `RequestOutput`, text included, when it is done. (On a GPU the engine applies a step's
 # tokens one call later, so that the CPU schedules the next step while the GPU computes this one:
 # *async scheduling*, chapter 11.) Here is that loop, as the package has it today:
 

@@ -38,6 +38,7 @@
 # latencies depend on the machine and are shown but not checked.
 #
 # **Package modules taught here:** `nanovllm/engine/async_engine.py` (`AsyncEngine`),
+# `nanovllm/engine/stream.py` (a request's stream, from the engine thread to its reader),
 # `nanovllm/serve/` (`app.py` and `serving.py`: the endpoints; `streaming.py`: SSE;
 # `admission.py`: API keys, token buckets, queue depth; `config.py`: the deployment's YAML;
 # `server.py`: `serve` and `ServerThread`; `metrics.py`: Prometheus), and

@@ -31,7 +31,10 @@ stop string it is simply its first occurrence.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from nanovllm.sampling_params import SamplingParams
 
 INCOMPLETE = "\ufffd"  # what a decoder makes of the first bytes of an unfinished character
 
@@ -68,6 +71,16 @@ class IncrementalDetokenizer:
         self._context_text = ""  # decode(context tokens)
         self._settled: list[str] = []  # every piece push() returned
         self._held = ""  # read but not yet settled: it may begin a stop string
+
+    @classmethod
+    def for_params(cls, tokenizer: Any, params: SamplingParams) -> IncrementalDetokenizer:
+        """The detokenizer of one sample of a request: its stop strings, ``min_tokens`` and
+        text settings. The engine's stop check, the final output and the stream all build
+        theirs here, so all three cut the text at the same place."""
+        return cls(
+            tokenizer, params.stop, params.include_stop_str_in_output,
+            params.skip_special_tokens, params.min_tokens,
+        )
 
     def push(self, token_ids: Iterable[int]) -> str:
         """Take new token ids; return the newly *settled* text: complete characters that

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from nanovllm.config import EngineConfig
 from nanovllm.engine.llm_engine import LLMEngine
-from nanovllm.engine.output_processor import RequestState
+from nanovllm.engine.output_processor import OutputProcessor, RequestState
 from nanovllm.engine.sequence import Sequence
 from nanovllm.inputs import as_prompt_list
 from nanovllm.outputs import RequestOutput
@@ -35,6 +35,8 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self.config = self.engine.config
         self._turn = threading.Lock()  # one generate() at a time
+        # the requests of the generate() running (under _turn)
+        self._outputs = OutputProcessor(self.tokenizer, self.engine.input_processor.request_ids)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes now (otherwise: when this object is
@@ -81,36 +83,31 @@ class LLM:
             for p, sp, pr in zip(prompts, params, priorities)
         ]
         with self._turn:
-            states = self._run(requests, use_tqdm)
-        return [state.output() for state in states]
+            return self._run(requests, use_tqdm)
 
-    def _run(self, requests: list[list[Sequence]], use_tqdm: bool) -> list[RequestState]:
-        states: dict[str, RequestState] = {}
+    def _run(self, requests: list[list[Sequence]], use_tqdm: bool) -> list[RequestOutput]:
+        states: list[RequestState] = []
+        finished: dict[str, RequestOutput] = {}
         try:
             with _ctrl_c_between_steps() as check_interrupt:
                 for samples in requests:  # a request's samples (SamplingParams.n)
+                    states.append(self._outputs.add_request(samples))  # (claims its id)
                     for seq in samples:
-                        self.engine.add_sequence(seq)  # (may rename a generated id)
-                    state = RequestState(samples[0], self.tokenizer, len(samples))
-                    states[state.request_id] = state
-                unfinished = len(states)
-                bar = tqdm(total=unfinished, desc="Generating", disable=not use_tqdm, unit="req")
+                        self.engine.add_sequence(seq)
+                bar = tqdm(total=len(states), desc="Generating", disable=not use_tqdm, unit="req")
                 with bar:
-                    while unfinished:
-                        outputs = self.engine.step()
-                        for out in outputs:
-                            state = states.get(out.request_id)
-                            if state is None:
-                                continue  # another caller's request: not ours to report
-                            state.update(out)
-                            if out.finished and state.finished:
-                                unfinished -= 1
+                    while self._outputs.has_unfinished_requests():
+                        for update in self._outputs.process_outputs(self.engine.step()):
+                            if update.output is not None:
+                                finished[update.state.request_id] = update.output
                                 bar.update(1)
                         check_interrupt()
         except BaseException:  # Ctrl-C included: leave nothing of this call in the engine
-            self.engine.abort_request(seq.parent_id for samples in requests for seq in samples)
+            ids = [state.request_id for state in states]
+            self.engine.abort_request(ids)
+            self._outputs.abort(ids)
             raise
-        return list(states.values())
+        return [finished[state.request_id] for state in states]
 
     def chat(
         self,

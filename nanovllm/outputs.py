@@ -1,21 +1,14 @@
 """What the engine hands back (chapter 00; streaming in chapter 10).
 
 ``LLM.generate`` returns vLLM-shaped ``RequestOutput`` objects, each with its
-``RequestMetrics``. The async engine (``engine/async_engine.py``) hands out a
-``RequestStream`` per request, which yields ``StreamChunk``s whose text comes from an
-``IncrementalDetokenizer`` (``nanovllm/detokenizer.py``) running in the consumer's thread.
+``RequestMetrics``. The async engine (``engine/async_engine.py``) streams ``StreamChunk``s;
+the transport that carries them from the engine thread to a reader is ``engine/stream.py``.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
-from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
-
-from nanovllm.detokenizer import IncrementalDetokenizer
-from nanovllm.sampling_params import SamplingParams
+from typing import Any
 
 
 @dataclass
@@ -162,104 +155,3 @@ class StreamChunk:
     index: int = 0
     logprobs: list[PositionLogprobs] | None = field(default=None, repr=False)
     stop_reason: int | str | None = None  # with finish_reason "stop": the string or token id
-
-
-class Item(NamedTuple):
-    """What the engine thread sends a stream: one sample's new tokens, and how it ended."""
-
-    token_ids: list[int]
-    index: int = 0  # which sample
-    logprobs: list[TokenLogprobs] | None = None  # one per token, with SamplingParams.logprobs
-    completion: CompletionOutput | None = None  # the sample's final output, once it ended
-    output: RequestOutput | None = None  # the request's final output: the last item
-    error: BaseException | None = None  # the engine failed: the last item
-
-
-class RequestStream:
-    """One request's output: iterate it for ``StreamChunk``s, or call ``result()``.
-
-    The engine thread calls ``push``/``end``; one consumer thread reads. Items travel
-    through a ``SimpleQueue`` (or, via ``sink``, an asyncio queue), in order.
-    """
-
-    def __init__(self, request_id: str, tokenizer: Any, params: SamplingParams) -> None:
-        self.request_id = request_id
-        self._items: queue.SimpleQueue[Item] = queue.SimpleQueue()
-        self.sink: Callable[[Item], None] = self._items.put  # the asyncio bridge replaces it
-        self._done = threading.Event()
-        self._output: RequestOutput | None = None
-        self._error: BaseException | None = None
-        self._tokenizer = tokenizer
-        self._detokenizers = [  # one per sample
-            IncrementalDetokenizer(
-                tokenizer, params.stop, params.include_stop_str_in_output,
-                params.skip_special_tokens, params.min_tokens,
-            )
-            for _ in range(params.n)
-        ]
-        self._read_to_end = False  # a second iteration then ends at once instead of blocking
-
-    # -- engine-thread side ------------------------------------------------------------
-    def push(
-        self,
-        token_ids: list[int],
-        index: int = 0,
-        logprobs: list[TokenLogprobs] | None = None,
-        completion: CompletionOutput | None = None,
-    ) -> None:
-        """New tokens of sample ``index``; with ``completion``, that sample has ended."""
-        self.sink(Item(token_ids, index, logprobs, completion))
-
-    def end(
-        self,
-        token_ids: Iterable[int] = (),
-        output: RequestOutput | None = None,
-        error: BaseException | None = None,
-        index: int = 0,
-        logprobs: list[TokenLogprobs] | None = None,
-    ) -> None:
-        """The request has ended: the last tokens (of sample ``index``) and its ``output``,
-        or the ``error`` that stopped the engine."""
-        self._output, self._error = output, error  # set before waking anyone up
-        self._done.set()
-        self.sink(Item(list(token_ids), index, logprobs, None, output, error))
-
-    # -- consumer side -------------------------------------------------------------------
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def result(self, timeout: float | None = None) -> RequestOutput:
-        """The final output (finish_reason "stop", "length", "abort", or "error" with the
-        reason in ``error``); raises ``EngineError`` if the engine failed, ``TimeoutError``
-        after ``timeout`` seconds."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"request {self.request_id!r} unfinished after {timeout} s")
-        if self._error is not None:
-            raise self._error
-        return self._output
-
-    def to_chunk(self, item: Item) -> StreamChunk:
-        self._read_to_end = item.output is not None or item.error is not None
-        if item.error is not None:
-            raise item.error
-        token_ids, index = item.token_ids, item.index
-        logprobs = None
-        if item.logprobs is not None:
-            logprobs = [position_logprobs(e, self._tokenizer) for e in item.logprobs]
-        detokenizer = self._detokenizers[index]
-        completion = item.completion
-        if completion is None and item.output is not None:
-            completion = item.output.outputs[index]
-        if completion is None:
-            text = detokenizer.push(token_ids)
-            return StreamChunk(self.request_id, token_ids, text, index=index, logprobs=logprobs)
-        text = detokenizer.finish(completion.text)  # the final text is cut at a stop string
-        return StreamChunk(
-            self.request_id, token_ids, text, item.output is not None,
-            completion.finish_reason, item.output, index, logprobs, completion.stop_reason,
-        )
-
-    def __iter__(self) -> Iterator[StreamChunk]:
-        while not self._read_to_end:
-            yield self.to_chunk(self._items.get())

@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from nanovllm.detokenizer import IncrementalDetokenizer
-from nanovllm.outputs import CompletionOutput, RequestOutput, RequestStream
+from nanovllm.engine.stream import RequestStream
+from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
 TEXTS = [

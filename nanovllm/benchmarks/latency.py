@@ -77,7 +77,7 @@ def drive(
                     seq = pending.popleft()
                     # Its clock starts when its client sent it, not when this loop noticed.
                     seq.metrics.arrival_time = now if due is None else due[len(states)]
-                    engine.add_sequence(seq)  # (may rename a generated id)
+                    engine.add_sequence(seq)  # (claims its id)
                     states[seq.parent_id] = RequestState(seq, llm.tokenizer)
                     unfinished += 1
                     peak = max(peak, len(engine.requests))  # the engine's own count

@@ -21,7 +21,8 @@ Threading model
   validates in the caller's thread (``ValueError`` is raised there, so bad input never
   reaches the engine thread) and appends to the inbox under a lock. ``abort`` and
   ``shutdown`` wait until the engine thread has carried them out, at a step boundary.
-- *Consumers* read a ``RequestStream`` (one consumer per stream). The engine thread only
+- *Consumers* read a ``RequestStream`` (one consumer per stream; ``stream.py``). The engine
+  thread's ``OutputProcessor`` collects the step's deltas per request, and the thread
   passes token ids (and logprobs, when asked); text is detokenized incrementally in the
   consumer's thread, which keeps the step loop lean. A request with ``SamplingParams.n``
   samples has one stream; each chunk says which sample (``chunk.index``) it belongs to.
@@ -34,7 +35,9 @@ Threading model
   engine is then dead, every stream ends so and new requests are refused).
 - The tokenizer is shared by producers (encode), the engine thread and consumers
   (decode); ``nanovllm.tokenizer.Tokenizer`` serializes its calls, so that is safe.
-- Request ids a producer leaves out are generated and never collide with ids in use.
+- Request ids are claimed in ``submit`` (``RequestIds``, ``input_processor.py``): one a
+  producer leaves out is generated and never collides with an id in use; a producer's
+  own id that is in use raises ``ValueError`` there.
 - While an ``AsyncEngine`` runs an ``LLMEngine``, nothing else may call that engine (nor
   an ``LLM`` built on it); reading ``engine.stats`` / ``timeline.to_records()`` is fine.
 """
@@ -42,41 +45,20 @@ Threading model
 from __future__ import annotations
 
 import asyncio
-import itertools
 import threading
-from collections.abc import AsyncIterator
 from typing import Any
 
 from nanovllm.config import EngineConfig
 from nanovllm.engine.llm_engine import LLMEngine
-from nanovllm.engine.output_processor import EngineCoreOutput, RequestState
+from nanovllm.engine.output_processor import EngineCoreOutput, OutputProcessor
 from nanovllm.engine.sequence import Sequence
-from nanovllm.outputs import Item, RequestOutput, RequestStream, StreamChunk
+from nanovllm.engine.stream import AsyncRequestStream, Item, RequestStream
+from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
 
 class EngineError(RuntimeError):
     """The engine cannot serve the request: a step failed (see ``__cause__``) or it is shut down."""
-
-
-class AsyncRequestStream:
-    """A ``RequestStream`` read through asyncio (``async for``); leaving the loop early
-    (a ``break``, a cancelled task) aborts the request."""
-
-    def __init__(self, engine: AsyncEngine, stream: RequestStream, items: asyncio.Queue):
-        self.engine, self.stream, self._items = engine, stream, items
-        self.request_id = stream.request_id
-
-    async def __aiter__(self) -> AsyncIterator[StreamChunk]:
-        finished = False
-        try:
-            while not finished:
-                chunk = self.stream.to_chunk(await self._items.get())
-                finished = chunk.finished
-                yield chunk
-        finally:
-            if not finished and not self.stream.done:
-                self.engine.abort(self.request_id, wait=False)  # nobody is listening any more
 
 
 class AsyncEngine:
@@ -92,7 +74,9 @@ class AsyncEngine:
         self._refusal: EngineError | None = None  # set once no more requests are taken
         self._stop: str | None = None  # None, "drain" (finish all) or "abort"
         self._closed = False  # the engine thread has stopped reading the inbox
-        self._active: dict[str, tuple[RequestStream, RequestState]] = {}  # engine thread
+        self._request_ids = engine.input_processor.request_ids  # thread-safe
+        # the engine thread's: the requests it has added, and what they have produced
+        self._outputs = OutputProcessor(engine.tokenizer, self._request_ids)
         self._thread = threading.Thread(target=self._run, name="nanovllm-engine", daemon=True)
         self._thread.start()
 
@@ -120,15 +104,12 @@ class AsyncEngine:
         with self._lock:
             if self._refusal is not None:
                 raise self._refusal
-            if seqs[0].parent_id in self._streams:
-                if request_id is not None:
-                    raise ValueError(f"request id {request_id!r} is already in use")
-                _rename(seqs, self._streams)
-            parent_id = seqs[0].parent_id
-            stream = RequestStream(parent_id, self.engine.tokenizer, params)
+            # held until the stream's last item (OutputProcessor); raises if a user's id is in use
+            request_id = self._request_ids.claim(seqs, held=True)
+            stream = RequestStream(request_id, self.engine.tokenizer, params)
             if sink is not None:
                 stream.sink = sink
-            self._streams[parent_id] = stream
+            self._streams[request_id] = stream
             self._inbox.append(("add", seqs, stream))
             self._wakeup.notify()
         return stream
@@ -190,7 +171,7 @@ class AsyncEngine:
                 pass
 
         stream = self._submit(prompt, params, request_id, priority, sink)
-        return AsyncRequestStream(self, stream, items)
+        return AsyncRequestStream(stream, items, lambda rid: self.abort(rid, wait=False))
 
     async def generate(
         self,
@@ -221,7 +202,7 @@ class AsyncEngine:
                 for command in commands:
                     self._apply(command)
                 if stop == "abort" or (stop == "drain" and not busy()):
-                    self._publish(self.engine.abort_request(list(self._active)))
+                    self._publish(self.engine.abort_request(list(self._outputs.states)))
                     break
                 if busy():
                     steps = self.engine.stats.num_steps
@@ -237,19 +218,9 @@ class AsyncEngine:
     def _apply(self, command: tuple) -> None:
         if command[0] == "add":
             _, seqs, stream = command
-            parent_id = seqs[0].parent_id
-            state = RequestState(seqs[0], self.engine.tokenizer, len(seqs))
-            self._active[parent_id] = (stream, state)
-            taken = [s.request_id for s in seqs if s.request_id in self.engine.requests]
-            if taken:  # taken directly on the LLMEngine
-                error = f"request id {taken[0]!r} is already in use"
-                self._publish(
-                    [EngineCoreOutput(parent_id, [], "error", error=error, index=s.index)
-                     for s in seqs]
-                )
-            else:
-                for seq in seqs:
-                    self.engine.add_sequence(seq)
+            self._outputs.add_request(seqs, stream)  # (its id was claimed in submit)
+            for seq in seqs:
+                self.engine.add_sequence(seq)
         else:
             _, request_id, done, aborted = command
             outputs = self.engine.abort_request(request_id)
@@ -258,24 +229,19 @@ class AsyncEngine:
             done.set()
 
     def _publish(self, outputs: list[EngineCoreOutput]) -> None:
-        for out in outputs:
-            entry = self._active.get(out.request_id)
-            if entry is None:
-                continue  # added behind our back (e.g. directly on the LLMEngine)
-            stream, state = entry
-            state.update(out)
-            ids, index, logprobs = out.new_token_ids, out.index, out.new_logprobs
-            if not out.finished:
+        """Hand each request's new tokens to its stream; a finished request ends it."""
+        for state, out, output in self._outputs.process_outputs(outputs):
+            stream, index, logprobs = state.stream, out.index, out.new_logprobs
+            ids = out.new_token_ids
+            if output is not None:
+                with self._lock:  # (its id is free: a new request may have taken it already)
+                    if self._streams.get(state.request_id) is stream:
+                        del self._streams[state.request_id]
+                stream.end(ids, output, index=index, logprobs=logprobs)
+            elif out.finished:  # one sample has ended, others go on
+                stream.push(ids, index, logprobs, state.output().outputs[index])
+            else:
                 stream.push(ids, index, logprobs)
-                continue
-            output = state.output()  # first: if it raises, the stream is still listed
-            if not state.finished:  # one sample has ended, others go on
-                stream.push(ids, index, logprobs, output.outputs[index])
-                continue
-            del self._active[out.request_id]
-            with self._lock:
-                self._streams.pop(out.request_id, None)
-            stream.end(ids, output, index=index, logprobs=logprobs)
 
     def _fail_all(self, exc: BaseException) -> None:
         error = EngineError(f"engine step failed: {exc!r}")
@@ -284,6 +250,7 @@ class AsyncEngine:
             self._refusal = error
             streams, self._streams = list(self._streams.values()), {}
         for stream in streams:
+            self._request_ids.release(stream.request_id)
             stream.end(error=error)
 
     def _close_inbox(self) -> None:
@@ -296,13 +263,3 @@ class AsyncEngine:
             if command[0] == "abort":
                 command[2].set()
 
-
-def _rename(seqs: list[Sequence], taken: dict) -> None:
-    """Give a request with a generated id that is in use (a user chose it) a fresh one."""
-    if len(seqs) == 1:
-        seqs[0].rename(taken)
-        return
-    candidates = (f"{seqs[0].seq_id}-{k}" for k in itertools.count(1))
-    fresh = next(c for c in candidates if c not in taken)
-    for seq in seqs:  # the samples' ids derive from the request's (input_processor.py)
-        seq.parent_id, seq.request_id = fresh, f"{seq.index}_{fresh}"

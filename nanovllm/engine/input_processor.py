@@ -1,15 +1,18 @@
 """Turning a request into sequences: every check a request gets before it may enter the
-engine (chapters 00 and 01).
+engine, and its request id (chapters 00, 01 and 10).
 
 ``InputProcessor`` reads only settings fixed at start-up (the config, the model's
 vocabulary, the KV capacity), so any thread may call it: ``AsyncEngine`` validates in the
 submitting thread, and bad input raises ``ValueError`` there, never inside a step. It also
-fans a request with ``SamplingParams.n > 1`` out into its samples.
+fans a request with ``SamplingParams.n > 1`` out into its samples. ``RequestIds`` is the
+one place request ids are given out and checked.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+import itertools
+import threading
+from dataclasses import dataclass, replace
 
 from nanovllm.config import EngineConfig
 from nanovllm.engine.sequence import Sequence
@@ -32,6 +35,7 @@ class InputProcessor:
         self.config, self.model_config, self.tokenizer = config, model_config, tokenizer
         self.eos_token_ids = eos_token_ids
         self.kv_capacity = kv_capacity  # tokens the whole KV cache holds
+        self.request_ids = RequestIds()  # the engine's one id allocator
 
     def tokenize(self, prompt: object) -> tuple[str | None, list[int]]:
         """A prompt in any of the shapes of ``nanovllm.inputs`` -> (its text, its ids)."""
@@ -126,7 +130,8 @@ class InputProcessor:
         """Validate one request and make a sequence for each of its ``params.n`` samples
         (vLLM's parallel sampling). Sample i has id ``f"{i}_{request_id}"`` and, with a
         seed, seed + i; only sample 0 computes prompt logprobs. Admitted together, the
-        samples share the prompt's KV blocks through the prefix cache: computed once."""
+        samples share the prompt's KV blocks through the prefix cache: computed once.
+        Without ``request_id`` the id is a placeholder until ``RequestIds.claim``."""
         first = self.make_sequence(prompt, params, request_id, priority)
         if params.n == 1:
             return [first]
@@ -139,5 +144,93 @@ class InputProcessor:
             seq = Sequence(first.token_ids, child, f"{i}_{first.request_id}", first.prompt,
                            first.priority)
             seq.parent_id, seq.index = first.request_id, i
+            seq.has_user_request_id = first.has_user_request_id
             samples.append(seq)
         return samples
+
+
+@dataclass
+class _Claim:
+    seqs: list[Sequence]  # the request's samples
+    held: bool  # by a front end, until it releases the id
+
+    @property
+    def in_use(self) -> bool:
+        return self.held or not all(s.is_finished for s in self.seqs)
+
+
+class RequestIds:
+    """The one allocator of request ids: every way into the engine claims here
+    (``LLMEngine.add_request``/``add_sequence``; ``LLM.generate`` and ``AsyncEngine.submit``
+    through their ``OutputProcessor``).
+
+    A claimed id is in use until its request has ended for whoever reads it. A front end
+    claims with ``held=True`` and releases the id once it has the final output (so a
+    stream still being delivered keeps its id); a request added to the engine directly
+    frees its id when all its samples have finished. A user's id that is in use is refused
+    with ``ValueError``; a generated id is the next number not in use. A request of n > 1
+    samples claims its samples' ids too (``f"{i}_{id}"``, the engine's keys), so no other
+    request can take one of those. Any thread may claim: a lock guards the table.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._numbers = itertools.count()
+        self._claims: dict[str, _Claim] = {}  # request and sample ids -> their claim
+        self._prune_at = 64  # forget ended claims when the table reaches this size
+
+    def claim(self, seqs: list[Sequence], held: bool = False) -> str:
+        """Give the request whose samples are ``seqs`` (all of them) its id, write it into
+        the sequences and mark it in use; returns the id. Claiming sequences that hold
+        their claim already changes nothing (but ``held`` sticks)."""
+        first = seqs[0]
+        with self._lock:
+            claim = self._claims.get(first.parent_id)
+            if claim is not None and any(s is first for s in claim.seqs):
+                claim.held |= held
+                return first.parent_id
+            if len(seqs) == 1 and first.request_id != first.parent_id:
+                raise ValueError("claim every sample of a request together (add_request)")
+            if first.has_user_request_id:
+                request_id = first.parent_id
+                taken = [k for k in _keys(request_id, len(seqs)) if self._in_use(k)]
+                if taken:
+                    raise ValueError(f"request id {taken[0]!r} is already in use")
+            else:
+                request_id = next(
+                    str(n) for n in self._numbers
+                    if not any(self._in_use(k) for k in _keys(str(n), len(seqs)))
+                )
+                for seq in seqs:  # the samples' ids derive from the request's
+                    seq.parent_id = request_id
+                    seq.request_id = request_id if len(seqs) == 1 else f"{seq.index}_{request_id}"
+            if len(self._claims) >= self._prune_at:
+                self._claims = {k: c for k, c in self._claims.items() if c.in_use}
+                self._prune_at = 2 * len(self._claims) + 64
+            claim = _Claim(list(seqs), held)
+            for key in _keys(request_id, len(seqs)):
+                self._claims[key] = claim
+        return request_id
+
+    def release(self, request_id: str) -> None:
+        """A front end that claimed ``request_id`` with ``held=True`` is done with it: its
+        final output is out, or the request was aborted or never reached the engine. The
+        id is free again."""
+        with self._lock:
+            claim = self._claims.get(request_id)
+            if claim is None or not claim.held:
+                return
+            for key in _keys(request_id, len(claim.seqs)):
+                if self._claims.get(key) is claim:
+                    del self._claims[key]
+
+    def _in_use(self, key: str) -> bool:
+        claim = self._claims.get(key)
+        return claim is not None and claim.in_use
+
+
+def _keys(request_id: str, num_samples: int) -> list[str]:
+    """The ids a request occupies: its own and, with several samples, theirs."""
+    if num_samples == 1:
+        return [request_id]
+    return [request_id, *(f"{i}_{request_id}" for i in range(num_samples))]

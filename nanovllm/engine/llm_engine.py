@@ -110,10 +110,10 @@ class LLMEngine:
         return self.scheduler.requests
 
     def add_sequence(self, seq: Sequence) -> None:
-        """Put a validated sequence into the scheduler's waiting queue. A generated request
-        id never collides: one in use is replaced by a fresh one."""
-        if seq.request_id in self.requests and not seq.has_user_request_id:
-            seq.rename(self.requests)
+        """Put a validated sequence into the scheduler's waiting queue. Its request id is
+        claimed here (``RequestIds``: a user's id in use raises ``ValueError``, a generated
+        one is given now) unless its request's id was claimed whole already."""
+        self.input_processor.request_ids.claim([seq])
         self.scheduler.add(seq)
 
     def add_request(
@@ -126,9 +126,10 @@ class LLMEngine:
         """Validate and queue one request (vLLM's signature); returns its id, generated
         when ``request_id`` is None. Its reports carry that id (and the sample's index)."""
         seqs = self.make_sequences(prompt, params, request_id, priority)
+        request_id = self.input_processor.request_ids.claim(seqs)
         for seq in seqs:
             self.add_sequence(seq)
-        return seqs[0].parent_id
+        return request_id
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[EngineCoreOutput]:
         """Finish requests with reason "abort", freeing their KV blocks now; returns the

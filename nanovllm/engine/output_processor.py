@@ -3,15 +3,18 @@
 ``LLMEngine.step()`` returns one ``EngineCoreOutput`` per request that progressed: the
 token ids new since its last report and, once it has ended, why (vLLM's v1 engine core
 speaks the same way). Everything else about a request — its text, its accumulated tokens —
-is the consumer's business: ``LLM.generate`` and ``AsyncEngine`` each keep a
-``RequestState`` per request, feed it the deltas and ask it for the ``RequestOutput``.
-So the engine never hands out a token that is still in flight (async scheduling) and never
-decodes text that nobody reads.
+is the consumer's business: both front ends, ``LLM.generate`` and ``AsyncEngine``, hand the
+deltas to an ``OutputProcessor`` (vLLM's name), which keeps a ``RequestState`` per request
+and holds the request's id from its claim until its final output. So the engine never hands
+out a token that is still in flight (async scheduling) and never decodes text that nobody
+reads.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
 from nanovllm.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.sequence import Sequence
@@ -22,6 +25,10 @@ from nanovllm.outputs import (
     TokenLogprobs,
     position_logprobs,
 )
+
+if TYPE_CHECKING:
+    from nanovllm.engine.input_processor import RequestIds
+    from nanovllm.engine.stream import RequestStream
 
 
 @dataclass
@@ -56,8 +63,11 @@ class RequestState:
     """A consumer's view of one request: the tokens of its ``n`` samples so far and, once
     all have finished, its ``RequestOutput``. ``seq`` is the request's (first) sequence."""
 
-    def __init__(self, seq: Sequence, tokenizer, n: int = 1) -> None:
+    def __init__(
+        self, seq: Sequence, tokenizer, n: int = 1, stream: RequestStream | None = None
+    ) -> None:
         self.request_id = seq.parent_id
+        self.stream = stream  # where AsyncEngine delivers the request; None for LLM.generate
         self.prompt = seq.prompt
         self.prompt_token_ids = seq.token_ids[: seq.num_prompt_tokens]
         self.params = seq.params
@@ -96,10 +106,7 @@ class RequestState:
 
     def _completion(self, index: int, sample: _Sample) -> CompletionOutput:
         params, last = self.params, sample.last
-        detokenizer = IncrementalDetokenizer(
-            self.tokenizer, params.stop, params.include_stop_str_in_output,
-            params.skip_special_tokens, params.min_tokens,
-        )
+        detokenizer = IncrementalDetokenizer.for_params(self.tokenizer, params)
         detokenizer.push(sample.token_ids)
         with_logprobs = params.logprobs is not None
         return CompletionOutput(
@@ -115,3 +122,61 @@ class RequestState:
     def _logprobs(self, entry: TokenLogprobs | None) -> PositionLogprobs | None:
         """``{token id: Logprob}`` for the chosen token and the top k, with their texts."""
         return position_logprobs(entry, self.tokenizer)
+
+
+class RequestUpdate(NamedTuple):
+    """One report applied to its request; with the request's last report (its last sample
+    ended), its final ``output``."""
+
+    state: RequestState
+    delta: EngineCoreOutput
+    output: RequestOutput | None = None
+
+
+class OutputProcessor:
+    """A front end's requests, from the claim of their ids to their final outputs (vLLM's
+    ``OutputProcessor``; ``LLM`` and ``AsyncEngine`` each have one). One thread uses it:
+    the one that steps the engine."""
+
+    def __init__(self, tokenizer, request_ids: RequestIds) -> None:
+        self.tokenizer = tokenizer
+        self.request_ids = request_ids  # the engine's allocator (input_processor.py)
+        self.states: dict[str, RequestState] = {}  # the unfinished requests, by id
+
+    def add_request(
+        self, seqs: list[Sequence], stream: RequestStream | None = None
+    ) -> RequestState:
+        """Track the request whose samples are ``seqs``, claiming its id (held until its
+        final output) unless the front end claimed it already; ``ValueError`` if a user's
+        id is in use. Add ``seqs`` to the engine after this."""
+        request_id = self.request_ids.claim(seqs, held=True)
+        state = RequestState(seqs[0], self.tokenizer, len(seqs), stream)
+        self.states[request_id] = state
+        return state
+
+    def process_outputs(self, outputs: Iterable[EngineCoreOutput]) -> list[RequestUpdate]:
+        """Apply a step's reports to their requests (others' reports are skipped). A
+        request that finished gets its final output, then is dropped and its id released."""
+        updates = []
+        for out in outputs:
+            state = self.states.get(out.request_id)
+            if state is None:
+                continue  # another caller's request: not ours to report
+            state.update(out)
+            output = None
+            if out.finished and state.finished:
+                output = state.output()  # first: if it raises, the request is still listed
+                del self.states[out.request_id]
+                self.request_ids.release(out.request_id)
+            updates.append(RequestUpdate(state, out, output))
+        return updates
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Forget requests that will get no more reports (aborted in the engine, or never
+        added to it), releasing their ids."""
+        for request_id in request_ids:
+            if self.states.pop(request_id, None) is not None:
+                self.request_ids.release(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.states)

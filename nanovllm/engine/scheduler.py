@@ -70,9 +70,9 @@ class Scheduler:
         self._reports: list[EngineCoreOutput] = []  # endings not reported yet
 
     def add(self, seq: Sequence) -> None:
-        """Take a new request (its id must not be in use: ``LLMEngine.add_sequence``)."""
+        """Take a new request (``LLMEngine.add_sequence`` claimed its id)."""
         if seq.request_id in self.requests:
-            raise ValueError(f"request id {seq.request_id!r} is already in use")
+            raise ValueError(f"sequence {seq.request_id!r} was added already")
         self.requests[seq.request_id] = seq
         self.waiting.append(seq)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Container
 from enum import Enum, auto
 from typing import TYPE_CHECKING
 
@@ -44,6 +43,7 @@ class Sequence:
     ) -> None:
         self.seq_id = next(Sequence._ids)
         self.has_user_request_id = request_id is not None
+        # Without a user's id, a placeholder until the engine gives one (RequestIds.claim)
         self.request_id = request_id if request_id is not None else str(self.seq_id)
         # The request this sequence is sample `index` of (SamplingParams.n; itself when n = 1)
         self.parent_id, self.index = self.request_id, 0
@@ -72,14 +72,6 @@ class Sequence:
         self.user = params.user  # tenant, for fair scheduling
         self.request_class = params.request_class  # for the "mixed" policy
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
-
-    def rename(self, taken: Container[str]) -> None:
-        """Take a generated request id that is not in ``taken`` (a user may have chosen ours)."""
-        candidates = (f"{self.seq_id}-{k}" for k in itertools.count(1))
-        fresh = next(c for c in candidates if c not in taken)
-        if self.parent_id == self.request_id:
-            self.parent_id = fresh
-        self.request_id = fresh
 
     def __len__(self) -> int:
         return len(self.token_ids)

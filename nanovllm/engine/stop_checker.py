@@ -37,10 +37,7 @@ class StopChecker:
             return "stop", token
         if params.stop and self.tokenizer is not None:
             if seq.detokenizer is None:  # only requests with stop strings need text here
-                seq.detokenizer = IncrementalDetokenizer(
-                    self.tokenizer, params.stop, params.include_stop_str_in_output,
-                    params.skip_special_tokens, params.min_tokens,
-                )
+                seq.detokenizer = IncrementalDetokenizer.for_params(self.tokenizer, params)
             seq.detokenizer.push([token])
             if seq.detokenizer.stop_reason is not None:
                 return "stop", seq.detokenizer.stop_reason
