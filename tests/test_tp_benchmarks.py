@@ -34,10 +34,11 @@ def test_control_plane_records_both_transports_for_every_plan(tmp_path, capsys):
 
 def test_plans_have_the_shapes_of_real_steps():
     plan = control_plane.decode_plan(64, context=1024, block_size=16)
-    assert plan.num_tokens == plan.num_seqs == plan.num_decodes == 64 and plan.width == 64
-    assert plan.ints.size == 2 * 65 + 64 * 64
+    assert plan.num_tokens == plan.num_seqs == plan.num_decodes == 64
+    assert plan.ints.shapes["block_tables"] == (64, 64) and plan.ints.buffer.size == 65 + 64 * 65
     prefill = control_plane.prefill_plan(tokens=4096, seqs=4, block_size=16)
-    assert prefill.num_tokens == 4096 and prefill.max_seqlen_q == 1024 and prefill.width == 64
+    assert prefill.num_tokens == 4096 and prefill.max_seqlen_q == 1024
+    assert prefill.ints.shapes["block_tables"] == (4, 64)
 
 
 def test_allreduce_sweep_at_chosen_sizes():

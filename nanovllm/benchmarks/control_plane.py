@@ -36,25 +36,34 @@ from nanovllm.benchmarks.metadata import run_metadata
 from nanovllm.benchmarks.tensor_parallel import spawn_ranks
 from nanovllm.engine.executor import free_port
 from nanovllm.engine.shm_broadcast import MessageQueue
-from nanovllm.engine.step import StepPlan
+from nanovllm.engine.step import PackedArrays, StepPlan
 
 TRANSPORTS = ("gloo", "shm")
 
 
+def _plan(num_tokens: int, num_seqs: int, width: int, max_seqlen_q: int) -> StepPlan:
+    """A plan of these sizes, its fields filled with counting numbers (no placeholders)."""
+    count = np.arange
+    longs = PackedArrays.pack(
+        np.int64, input_ids=count(num_tokens), positions=count(num_tokens),
+        slot_mapping=count(num_tokens), sample_indices=count(num_seqs),
+        patch_targets=count(0), patch_sources=count(0),
+    )
+    ints = PackedArrays.pack(np.int32, cu_seqlens_q=count(num_seqs + 1),
+                             seq_lens_k=count(num_seqs),
+                             block_tables=count(num_seqs * width).reshape(num_seqs, width))
+    num_decodes = num_seqs if max_seqlen_q == 1 else 0
+    return StepPlan(longs, ints, max_seqlen_q=max_seqlen_q, num_decodes=num_decodes)
+
+
 def decode_plan(batch: int, context: int = 1024, block_size: int = 16) -> StepPlan:
     """The host arrays of a decode step: one token per sequence."""
-    width = -(-context // block_size)
-    longs = np.arange(4 * batch, dtype=np.int64)  # token ids, positions, slots, sampled rows
-    ints = np.arange(2 * (batch + 1) + batch * width, dtype=np.int32)  # cu_q, lens_k, tables
-    return StepPlan(longs, ints, batch, batch, batch, width, 1, batch, has_patches=True)
+    return _plan(batch, batch, -(-context // block_size), 1)
 
 
 def prefill_plan(tokens: int = 16384, seqs: int = 16, block_size: int = 16) -> StepPlan:
     """The host arrays of a prompt step: ``seqs`` prompts of ``tokens / seqs`` tokens."""
-    width = -(-tokens // seqs // block_size)
-    longs = np.arange(3 * tokens + seqs, dtype=np.int64)
-    ints = np.arange(2 * (seqs + 1) + seqs * width, dtype=np.int32)
-    return StepPlan(longs, ints, tokens, seqs, seqs, width, tokens // seqs, 0, False)
+    return _plan(tokens, seqs, -(-tokens // seqs // block_size), tokens // seqs)
 
 
 def plans() -> dict[str, StepPlan]:

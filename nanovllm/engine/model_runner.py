@@ -32,7 +32,7 @@ from nanovllm.engine.kv_cache import (
 from nanovllm.engine.sampling_metadata import SamplingInputs
 from nanovllm.engine.scheduler_output import SchedulerOutput
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
-from nanovllm.engine.step import InFlight, PreparedBatch, StepPlan
+from nanovllm.engine.step import InFlight, PackedArrays, PreparedBatch, StepPlan
 from nanovllm.layers.attention import GPU_BACKENDS, Attention, select_backend
 from nanovllm.layers.fused import set_fused_kernels
 from nanovllm.layers.logits_processors import process_logits
@@ -184,48 +184,48 @@ class ModelRunner:
         padded = np.full((len(tables), width), -1, dtype=np.int32)
         for row, table in enumerate(tables):
             padded[row, : len(table)] = table
-        n_tok, n_seq, n_sample = len(input_ids), len(lens_k), len(sample_from)
         plan = StepPlan(
-            np.array(input_ids + positions + slots + sample_from + patch_at + patch_from,
-                     dtype=np.int64),
-            np.concatenate([np.array(cu_q + lens_k, dtype=np.int32), padded.ravel()]),
-            n_tok, n_seq, n_sample, width, max(batch.num_new_tokens),
-            sum(1 for n in batch.num_new_tokens if n == 1), bool(patch_at),
-            [(first, len(scored)) for _, first, scored, _ in prompt_logprobs],
+            longs=PackedArrays.pack(
+                np.int64, input_ids=input_ids, positions=positions, slot_mapping=slots,
+                sample_indices=sample_from, patch_targets=patch_at, patch_sources=patch_from,
+            ),
+            ints=PackedArrays.pack(np.int32, cu_seqlens_q=cu_q, seq_lens_k=lens_k,
+                                   block_tables=padded),
+            max_seqlen_q=max(batch.num_new_tokens),
+            num_decodes=sum(1 for n in batch.num_new_tokens if n == 1),
+            prompt_rows=[(first, len(scored)) for _, first, scored, _ in prompt_logprobs],
         )
-        input_ids, positions, meta, sample_indices, patches = self._materialize(plan)
+        longs, meta = self._materialize(plan)
+        input_ids = longs["input_ids"]
         if patch_at:  # the previous step's tokens never visit the CPU on their way here
-            input_ids[patches[0]] = self._in_flight_tokens[patches[1]]
+            input_ids[longs["patch_targets"]] = self._in_flight_tokens[longs["patch_sources"]]
         return PreparedBatch(
-            plan, input_ids, positions, meta, sample_indices, sample_seqs, logit_rows,
-            prompt_logprobs,
+            plan, input_ids, longs["positions"], meta, longs["sample_indices"], sample_seqs,
+            logit_rows, prompt_logprobs,
         )
 
-    def _materialize(self, plan: StepPlan) -> tuple:
-        """The plan's device tensors: token ids, positions, attention metadata, sampled
-        rows, and the placeholder patches (``[2, k]``: where, from which sampled row).
+    def _materialize(self, plan: StepPlan) -> tuple[dict[str, torch.Tensor], AttentionMetadata]:
+        """The plan's device tensors: its int64 fields by name (``plan.longs``), and the
+        attention metadata.
 
         Two host-to-device copies per step, one per dtype, then views into them: each
         separate copy costs a few microseconds of CPU time, and CPU time is step time."""
-        n_tok, n_seq, n_sample = plan.num_tokens, plan.num_seqs, plan.num_samples
-        longs = self._to_device(plan.longs, torch.int64)
-        ints = self._to_device(plan.ints, torch.int32)
-        cu_q = plan.ints[: n_seq + 1].tolist()
-        lens_k = plan.ints[n_seq + 1 : 2 * n_seq + 1].tolist()
+        longs = plan.longs.unpack(self._to_device(plan.longs.buffer, torch.int64))
+        ints = plan.ints.unpack(self._to_device(plan.ints.buffer, torch.int32))
+        host = plan.ints.unpack()
+        lens_k = host["seq_lens_k"].tolist()
         meta = AttentionMetadata(
-            slot_mapping=longs[2 * n_tok : 3 * n_tok],
-            cu_seqlens_q=ints[: n_seq + 1],
-            seq_lens_k=ints[n_seq + 1 : 2 * n_seq + 1],
-            block_tables=ints[2 * n_seq + 1 :].view(n_seq, plan.width),
+            slot_mapping=longs["slot_mapping"],
+            cu_seqlens_q=ints["cu_seqlens_q"],
+            seq_lens_k=ints["seq_lens_k"],
+            block_tables=ints["block_tables"],
             max_seqlen_q=plan.max_seqlen_q,
             max_seqlen_k=max(lens_k),
             num_decodes=plan.num_decodes,
-            cu_seqlens_q_host=cu_q,
+            cu_seqlens_q_host=host["cu_seqlens_q"].tolist(),
             seq_lens_k_host=lens_k,
         )
-        sample_indices = longs[3 * n_tok : 3 * n_tok + n_sample]
-        patches = longs[3 * n_tok + n_sample :].view(2, -1)
-        return longs[:n_tok], longs[n_tok : 2 * n_tok], meta, sample_indices, patches
+        return longs, meta
 
     def _to_device(self, values: list | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         """Host values -> device tensor without making the CPU wait for the GPU.
@@ -292,14 +292,14 @@ class ModelRunner:
     def follow(self, plan: StepPlan) -> None:
         """A worker's step: rank 0's forward pass and LM-head calls on this rank's shard
         (the logits themselves are rank 0's to sample from)."""
-        input_ids, positions, meta, sample_indices, _ = self._materialize(plan)
-        hidden = self._forward(input_ids, positions, meta, plan)
+        longs, meta = self._materialize(plan)
+        hidden = self._forward(longs["input_ids"], longs["positions"], meta, plan)
         for first, count in plan.prompt_rows:  # the same chunks as _prompt_logprobs
             for start in range(0, count, PROMPT_LOGPROB_ROWS):
                 stop = min(start + PROMPT_LOGPROB_ROWS, count)
                 self.model.compute_logits(hidden[first + start : first + stop])
         if plan.num_samples:
-            self.model.compute_logits(hidden[sample_indices])
+            self.model.compute_logits(hidden[longs["sample_indices"]])
 
     def shutdown(self, polite: bool = True) -> None:
         """Stop the tensor-parallel workers, if any (idempotent; ``polite``: see
