@@ -402,9 +402,23 @@ print(f"x block_size {llm.config.block_size} = {per_token * llm.config.block_siz
 # %% [markdown]
 # On a CPU the engine gives the KV cache a fixed budget of 1 GiB (the engine option
 # `kv_cache_memory` changes it); divided by the bytes per block that gives the number of blocks
-# printed above. On a GPU it takes what is left of the memory after the weights, up to
-# `gpu_memory_utilization` of the card, which is why the block count is the one number here that
-# differs between machines.
+# printed above. On a GPU the engine's share of the card is `gpu_memory_utilization` (0.9 by
+# default; two engines at 0.45 share one GPU), and the cache gets what is left of that share after
+# the weights, the activations and the CUDA graphs: that is why the block count is the one number
+# here that differs between machines.
+#
+# **Swapping models in a notebook.** An engine holds its share of the GPU until it is shut down.
+# `llm = LLM(other)` builds the new engine while the old one still holds its memory, and on a GPU
+# the new one is refused ("gpu_memory_utilization=0.9 asks for ... GiB ..., but only ... GiB are
+# free"). Give the memory back first, then build:
+#
+# ```python
+# llm.shutdown()        # or: del llm (once nothing else refers to the engine)
+# llm = LLM(other_model)
+# ```
+#
+# `with LLM(path) as llm:` does the same when the block ends. After `shutdown()` the old engine
+# raises an error if used; its KV cache, CUDA graphs and weights are gone.
 #
 # Finally, every knob of the engine lives in one validated dataclass, `EngineConfig`; `LLM(path,
 # **options)` accepts exactly its field names and rejects anything else with a helpful error. Here

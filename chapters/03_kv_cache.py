@@ -585,7 +585,7 @@ for name, c in models.items():
 # SmolLM2's 3 small KV heads keep it light. fp8 halves the bf16 figure again (chapter 08).
 #
 # How much fits in the memory of one 80 GB GPU (80 GiB) once bf16 weights are loaded? (This
-# ignores activations and the headroom that `gpu_memory_utilization` keeps free, so real
+# ignores activations and the part of the GPU that `gpu_memory_utilization` leaves to others, so real
 # figures are somewhat lower.) The last two columns put the cache in perspective: the number of
 # tokens whose cache weighs as much as the model itself, and how many requests fit when each
 # is given a contiguous buffer for 4,096 tokens up front (section 4).
@@ -613,9 +613,10 @@ for name, c in models.items():
 # size lost.
 #
 # The engine sizes its cache with the same formula, per **block** of `block_size` tokens. On a
-# GPU the budget is the memory left after the weights and a warm-up pass (times
-# `gpu_memory_utilization`); on a CPU, or when `kv_cache_memory` is given, it is that number of
-# bytes. The budget is rounded down to whole blocks:
+# GPU the budget is the engine's share of the card (`gpu_memory_utilization` times its memory)
+# less what the engine itself takes: the weights, a warm-up pass's activations, the CUDA graphs;
+# on a CPU, or when `kv_cache_memory` is given, it is that number of bytes. The budget is
+# rounded down to whole blocks:
 
 # %%
 # NBVAL_IGNORE_OUTPUT

@@ -1066,9 +1066,11 @@ print(f"recorded H200 decode kernel, block size 256 vs 16: times differ by at mo
 # and the decode kernel requires a power of two of at least 16: 16 is the default for good
 # reason.
 #
-# **`gpu_memory_utilization`** sets how much GPU memory the engine may fill. After loading the
-# weights the runner runs one forward pass of the largest step to measure the activations, and
-# gives the KV cache what is left of the allowed share (`nanovllm/engine/kv_cache.py`):
+# **`gpu_memory_utilization`** is the engine's share of the GPU, as in vLLM (two engines at 0.45
+# share one card). After loading the weights the runner runs one forward pass of the largest step
+# to measure the activations, and gives the KV cache what is left of the share once the weights,
+# the activations and the CUDA graphs are counted (`nanovllm/engine/kv_cache.py`; memory that
+# other processes hold does not enter it, and a share larger than what is free is refused):
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -1086,8 +1088,7 @@ show_source(kv_cache.activation_bytes, kv_cache.kv_budget_in_blocks)
 total_gb, activations_gb = 141.0, 1.0
 mean_len = sum(final_lens) / len(final_lens)
 for util in (0.3, 0.5, 0.9):
-    free = total_gb - weight_bytes / 1e9
-    budget = (free - (1 - util) * total_gb - activations_gb) * 1e9
+    budget = (util * total_gb - weight_bytes / 1e9 - activations_gb) * 1e9
     tokens = budget / qwen3.kv_bytes_per_token(2)
     print(f"gpu_memory_utilization {util}: {budget / 1e9:5.1f} GB of KV cache = "
           f"{tokens:9,.0f} tokens = {tokens / mean_len:5.0f} requests of the mean final length")

@@ -614,12 +614,15 @@ plt.show()
 # ## 7. GPU memory: what `torch.cuda.memory_summary()` says about the KV budget
 #
 # On a GPU the engine sizes its KV cache at start-up (`kv_cache.kv_budget_in_blocks`):
-# it loads the weights, runs one warm-up forward at the largest step size to measure peak
-# activation memory, and gives the KV cache
+# it notes PyTorch's allocated memory, loads the weights, runs one warm-up forward at the largest
+# step size to measure peak activation memory, and gives the KV cache
 #
-# $$\text{budget} = \text{free} - (1 - u)\cdot\text{total} - \text{activation peak},$$
+# $$\text{budget} = u\cdot\text{total} - (\text{weights} + \text{activation peak} +
+# \text{CUDA graphs}),$$
 #
-# with $u$ = `gpu_memory_utilization`. `torch.cuda.memory_summary()` shows PyTorch's caching
+# with $u$ = `gpu_memory_utilization`, the engine's share of the card (as in vLLM). What other
+# processes hold does not enter it; if $u\cdot\text{total}$ exceeds what is free at start-up,
+# the engine refuses with both numbers (another engine in the process: `llm.shutdown()` first). `torch.cuda.memory_summary()` shows PyTorch's caching
 # allocator: **allocated** is memory held by live tensors, **reserved** is what the allocator
 # holds from the driver (allocated plus its cache of freed blocks); `num_alloc_retries` and
 # `num_ooms` count the times it had to flush its cache or failed. A memory snapshot

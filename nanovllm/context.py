@@ -6,6 +6,7 @@ layer reads the current step's slot mapping and block tables from here instead.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,18 +34,24 @@ class AttentionMetadata:
     seq_lens_k_host: list[int]
 
 
-_current: AttentionMetadata | None = None
+class _ThreadContext(threading.local):
+    meta: AttentionMetadata | None = None
+
+
+# One per thread: two engines in one process (replicas, each on its own AsyncEngine thread)
+# step at the same time, and each layer must read its own engine's step. The context
+# manager restores it after every step, so an engine leaves nothing here behind.
+_context = _ThreadContext()
 
 
 def get_attention_metadata() -> AttentionMetadata | None:
-    return _current
+    return _context.meta
 
 
 @contextmanager
 def attention_metadata(meta: AttentionMetadata | None) -> Iterator[None]:
-    global _current
-    previous, _current = _current, meta
+    previous, _context.meta = _context.meta, meta
     try:
         yield
     finally:
-        _current = previous
+        _context.meta = previous

@@ -39,8 +39,12 @@ class LLM:
         self._outputs = OutputProcessor(self.tokenizer, self.engine.input_processor.request_ids)
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel worker processes now (otherwise: when this object is
-        collected or the interpreter exits). Nothing to do with one rank."""
+        """Give the GPU back now: the KV cache, CUDA graphs, weights and workspaces are
+        freed (and handed back to the driver), and tensor-parallel workers stop. Using the
+        engine afterwards raises ``EngineShutDownError``. In a notebook, call this (or ``del
+        llm``, which frees the same once nothing else holds the engine) before building the
+        next ``LLM``: ``llm = LLM(b)`` builds b while a still holds its memory. Idempotent.
+        (No ``__del__``: an ``AsyncEngine`` may run this engine after the ``LLM`` is gone.)"""
         self.engine.shutdown()
 
     def reset_prefix_cache(self) -> bool:

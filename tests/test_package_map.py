@@ -24,7 +24,8 @@ def tiny_repo(tmp_path: Path) -> Path:
         '"""Continuous batching (chapters 01 and 02). More text.\n\nDetails."""\nx = 1\n')
     (pkg / "engine" / "step.py").write_text('"""One step, e.g. a decode\nstep (chapter 02)."""\n')
     (tmp_path / "chapters").mkdir()
-    (tmp_path / "chapters" / "01_model.py").write_text("# %% [markdown]\n# # Chapter 01 — The model\n")
+    heading = "# %% [markdown]\n# # Chapter 01 — The model\n"
+    (tmp_path / "chapters" / "01_model.py").write_text(heading)
     return tmp_path
 
 

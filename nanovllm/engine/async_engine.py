@@ -133,13 +133,16 @@ class AsyncEngine:
         """Stop taking requests and stop the engine thread. ``wait=True`` lets every pending
         request finish first; ``wait=False`` aborts them (finish_reason "abort") at the next
         step boundary. Either way every stream has ended when this returns (unless
-        ``timeout`` seconds pass first)."""
+        ``timeout`` seconds pass first), and once the engine thread has stopped, the
+        ``LLMEngine`` gives its GPU memory back (``LLMEngine.shutdown``)."""
         with self._lock:
             self._refusal = self._refusal or EngineError("the engine is shut down")
             self._stop = "abort" if not wait or self._stop == "abort" else "drain"
             self._wakeup.notify()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+            if not self._thread.is_alive():
+                self.engine.shutdown()
 
     def __enter__(self) -> AsyncEngine:
         return self

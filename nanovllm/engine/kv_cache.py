@@ -1,14 +1,22 @@
 """How many KV-cache blocks fit, and the one tensor that holds them (chapters 03 and 11).
 
-On a GPU the engine loads the weights, runs one forward pass of its largest step to measure
-the activations, and gives the cache what is left of the allowed share of the memory
-(``gpu_memory_utilization``); on a CPU, or with ``kv_cache_memory``, the budget is a number
-of bytes. Either way it is rounded down to whole blocks. The cache is then one zeroed tensor
-``[2, layers, blocks, block_size, kv_heads, head_dim]``, and each attention layer holds its
-two slices. ``ModelRunner`` (``model_runner.py``) calls these once, at start-up.
+On a GPU, ``gpu_memory_utilization`` is this engine's share of the device, as in vLLM: two
+engines at 0.45 share one GPU. The runner notes the device's memory before it loads anything
+(``claim_gpu_share``, which refuses a share larger than what is free), loads the weights,
+runs one forward pass of its largest step to measure the activations, and gives the cache
+what is left of its share once everything this engine takes besides the cache is counted
+(``engine_bytes``). Other processes' memory, and other engines' in this process, never enter
+the budget; nor does what CUDA takes outside PyTorch (its context, kernels' code), for which
+the rest of the GPU leaves room. On a CPU, or with ``kv_cache_memory``, the budget is a
+number of bytes. Either way it is rounded down to whole blocks. The cache is then one zeroed
+tensor ``[2, layers, blocks, block_size, kv_heads, head_dim]``, and each attention layer holds
+its two slices. ``ModelRunner`` (``model_runner.py``) calls these once, at start-up.
 """
 
 from __future__ import annotations
+
+import gc
+import math
 
 import torch
 
@@ -18,12 +26,39 @@ from nanovllm.models import ModelConfig
 
 CPU_KV_CACHE_BYTES = 1 << 30
 SIZING_TOKENS = 4096  # tokens of the pass that sizes the activations (activation_bytes)
+GiB = 2**30
 
 
 def kv_bytes_per_block(model_config: ModelConfig, block_size: int, kv_dtype: torch.dtype) -> int:
     """Bytes of one block of this rank's cache (its 1/tp_size of the KV heads)."""
     per_token = model_config.kv_bytes_per_token(kv_dtype.itemsize)
     return per_token // distributed.tp_size() * block_size
+
+
+def claim_gpu_share(config: EngineConfig, device: torch.device) -> int | None:
+    """Before the engine loads anything: check that its share of the GPU fits in what is
+    free, and return PyTorch's allocated bytes, from which ``engine_bytes`` counts what the
+    engine takes (None: the budget is not a share of a GPU)."""
+    if device.type != "cuda" or config.num_kv_blocks is not None or (
+        config.kv_cache_memory is not None
+    ):
+        return None
+    gc.collect()  # an engine dropped with `del llm` may wait for the collector: free it now
+    free, total = torch.cuda.mem_get_info(device)
+    allocated = torch.cuda.memory_allocated(device)
+    share = config.gpu_memory_utilization * total
+    # PyTorch's cached blocks (e.g. of an engine shut down) are this process's to reuse
+    available = free + torch.cuda.memory_reserved(device) - allocated
+    if share > available:
+        raise ValueError(
+            f"gpu_memory_utilization={config.gpu_memory_utilization} asks for "
+            f"{share / GiB:.2f} GiB of the GPU's {total / GiB:.2f} GiB, but only "
+            f"{available / GiB:.2f} GiB are free: other processes, or another engine in this "
+            f"process, hold the rest. Lower gpu_memory_utilization (at most "
+            f"{math.floor(100 * available / total) / 100} here), free that memory (an engine "
+            "in this process: llm.shutdown() or del llm), or pass kv_cache_memory= explicitly"
+        )
+    return allocated
 
 
 def activation_bytes(model: torch.nn.Module, config: EngineConfig, device: torch.device) -> float:
@@ -49,26 +84,43 @@ def _sizing_pass(model: torch.nn.Module, n: int, rows: int, device: torch.device
     torch.cuda.synchronize(device)  # (its tensors are freed on return: the peak stays)
 
 
+def engine_bytes(allocated_at_start: int | None, config: EngineConfig, device: torch.device,
+                 activations: float, with_graphs: bool) -> float:
+    """What this engine takes of the GPU besides its cache, in PyTorch's own numbers, from
+    ``allocated_at_start`` (``claim_gpu_share``; None: 0): the tensors it holds (weights,
+    buffers), the largest step's ``activations``, and the decode CUDA graphs' memory pool
+    (``with_graphs``; estimated as the activations of their largest batch, since the graphs
+    are captured once the cache exists). Not from the driver's free memory: another process
+    may allocate meanwhile (a replica starting beside this one), and that is not ours."""
+    if allocated_at_start is None:
+        return 0.0
+    graph_rows = min(config.max_num_seqs, config.max_num_batched_tokens)
+    graphs = activations * graph_rows / config.max_num_batched_tokens if with_graphs else 0.0
+    return torch.cuda.memory_allocated(device) - allocated_at_start + activations + graphs
+
+
 def kv_budget_in_blocks(config: EngineConfig, device: torch.device, bytes_per_block: int,
-                        activations: float = 0.0) -> int:
-    """Whole blocks of cache this rank can hold (``activations``: ``activation_bytes``)."""
+                        used: float = 0.0) -> int:
+    """Whole blocks of cache this rank can hold; ``used``: what the engine takes besides
+    the cache (``engine_bytes``), which comes out of its share of a GPU."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     if config.kv_cache_memory is not None:
         budget = config.kv_cache_memory
+        why = f"kv_cache_memory={budget}"
     elif device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        # Room the activations took during the sizing pass must stay free for real steps.
-        budget = free - (1 - config.gpu_memory_utilization) * total - activations
+        share = config.gpu_memory_utilization * torch.cuda.mem_get_info(device)[1]
+        budget = share - used
+        why = (f"gpu_memory_utilization={config.gpu_memory_utilization} gives this engine "
+               f"{share / GiB:.2f} GiB; its weights, activations and CUDA graphs take "
+               f"{used / GiB:.2f} GiB of it. Raise gpu_memory_utilization, lower "
+               "max_num_batched_tokens, or pass num_kv_blocks= or kv_cache_memory=")
     else:
         budget = CPU_KV_CACHE_BYTES
+        why = "the CPU default"
     blocks = int(budget // bytes_per_block)
     if blocks < 1:
-        raise ValueError(
-            f"the KV-cache budget ({budget / 2**30:.2f} GiB) does not hold one block; on a "
-            "GPU another engine in this process may hold the memory (delete it), or pass "
-            "num_kv_blocks= or kv_cache_memory= explicitly"
-        )
+        raise ValueError(f"no room for one KV-cache block of {bytes_per_block} bytes: {why}")
     return blocks
 
 

@@ -145,7 +145,7 @@ class LLMEngine:
         return not self.requests and self.block_manager.reset_prefix_cache()
 
     def shutdown(self) -> None:
-        """Release what outlives a Python object: the tensor-parallel workers (chapter 09)."""
+        """Give the GPU memory back and stop the tensor-parallel workers (chapter 09)."""
         self.runner.shutdown()
 
     # -- the loop ------------------------------------------------------------------------

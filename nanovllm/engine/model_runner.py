@@ -15,6 +15,9 @@ through the same forward pass and the same LM-head calls, so their collectives p
 
 from __future__ import annotations
 
+import functools
+import gc
+
 import numpy as np
 import torch
 
@@ -26,6 +29,8 @@ from nanovllm.engine.executor import TPExecutor
 from nanovllm.engine.kv_cache import (
     activation_bytes,
     allocate_kv_cache,
+    claim_gpu_share,
+    engine_bytes,
     kv_budget_in_blocks,
     kv_bytes_per_block,
 )
@@ -52,15 +57,37 @@ def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
     return host.copy_(t, non_blocking=True)
 
 
+def to_device(values: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values -> device tensor without making the CPU wait for the GPU.
+
+    The copy goes through page-locked (pinned) memory, which the GPU reads by itself;
+    from ordinary memory the driver may first wait for the GPU's queue to drain, and
+    with async scheduling that queue holds the step being computed. (``pin_memory``
+    draws from PyTorch's cache of pinned blocks, so it is cheap after the first steps.)
+    """
+    host = torch.as_tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+class EngineShutDownError(RuntimeError):
+    """The engine was shut down (``LLM.shutdown()``): its GPU memory is given back."""
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
         self.config, self.model_config = config, model_config
         self.device = torch.device(config.device)
         self.executor = None  # rank 0 of several: speaks to the workers (chapter 09)
+        self.closed = False  # shut down: the device memory is given back (shutdown)
         if config.tensor_parallel_size > 1 and distributed.tp_size() == 1:
             if self.device.type == "cuda":
                 self.device = torch.device("cuda", torch.cuda.current_device())
             self.executor = TPExecutor(config, self.device)
+        # A function of the device alone, not a bound method: handed to SamplingInputs, a
+        # method would make the runner a reference cycle, which `del llm` could not free.
+        self._to_device = functools.partial(to_device, device=self.device)
         try:
             self._build(config, model_config)
         except BaseException:
@@ -71,6 +98,7 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)  # e4m3 for "fp8"
         self.block_size = config.block_size
+        at_start = claim_gpu_share(config, self.device)  # before the weights: the rest is ours
         self.model = self._build_model()
         # kv_cache_dtype="fp8": the backend stores e4m3 and widens it on load (chapter 08)
         self.backend = select_backend(config.attention_backend, self.device, config.kv_cache_dtype)
@@ -79,10 +107,14 @@ class ModelRunner:
             layer.backend = self.backend
         # The GPU backends bring fused norm, RoPE and activation kernels too (chapter 11).
         set_fused_kernels(self.model, self.backend.name in GPU_BACKENDS)
-        # How many blocks fit (chapter 03): on a GPU, after the largest step's activations.
+        with_graphs = (self.device.type == "cuda" and not config.enforce_eager
+                       and self.backend.name in GPU_BACKENDS)
+        # How many blocks fit (chapter 03): on a GPU, this engine's share less what it takes
+        # besides the cache (weights, the largest step's activations, graphs).
         activations = (activation_bytes(self.model, config, self.device)
                        if self.device.type == "cuda" else 0.0)
-        blocks = kv_budget_in_blocks(config, self.device, self.kv_bytes_per_block(), activations)
+        used = engine_bytes(at_start, config, self.device, activations, with_graphs)
+        blocks = kv_budget_in_blocks(config, self.device, self.kv_bytes_per_block(), used)
         # Every rank's cache must hold the same blocks: the smallest budget wins.
         self.num_kv_blocks = distributed.min_over_ranks(blocks, self.device)
         self.kv_cache = allocate_kv_cache(model_config, self.attention_layers, self.num_kv_blocks,
@@ -92,11 +124,7 @@ class ModelRunner:
         self._in_flight_tokens = torch.empty(0, dtype=torch.int64, device=self.device)
         self._in_flight_rows: dict[int, int] = {}  # seq_id -> row of _in_flight_tokens
         self.graphs = None
-        if (
-            self.device.type == "cuda"
-            and not config.enforce_eager
-            and self.backend.name in GPU_BACKENDS
-        ):
+        if with_graphs:
             self._capture_graphs()
 
     # -- setup ---------------------------------------------------------------------------
@@ -227,19 +255,6 @@ class ModelRunner:
         )
         return longs, meta
 
-    def _to_device(self, values: list | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        """Host values -> device tensor without making the CPU wait for the GPU.
-
-        The copy goes through page-locked (pinned) memory, which the GPU reads by itself;
-        from ordinary memory the driver may first wait for the GPU's queue to drain, and
-        with async scheduling that queue holds the step being computed. (``pin_memory``
-        draws from PyTorch's cache of pinned blocks, so it is cheap after the first steps.)
-        """
-        host = torch.as_tensor(values, dtype=dtype)
-        if self.device.type != "cuda":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)
-
     def forget(self, seq_ids: set[int]) -> None:
         """Drop the per-sequence state of sequences that finished
         (``SchedulerOutput.finished_seq_ids``)."""
@@ -253,6 +268,9 @@ class ModelRunner:
         Everything that depends on a single request (its inputs, its sampling settings) is
         prepared before anything runs on the device, so an error there changes nothing and
         ``request_errors`` can tell whose it is."""
+        if self.closed:
+            raise EngineShutDownError(
+                "this engine was shut down and gave its GPU memory back: build a new LLM")
         step = self.prepare(batch)
         sampling = self._sampling_inputs(step.sample_seqs) if step.sample_seqs else None
         plan = step.plan
@@ -302,14 +320,34 @@ class ModelRunner:
             self.model.compute_logits(hidden[longs["sample_indices"]])
 
     def shutdown(self, polite: bool = True) -> None:
-        """Stop the tensor-parallel workers, if any (idempotent; ``polite``: see
-        ``TPExecutor.shutdown``)."""
+        """Stop the tensor-parallel workers, if any, and give this rank's GPU memory back:
+        CUDA graphs, KV cache, weights. Idempotent; a step after it raises
+        ``EngineShutDownError``. (``polite``: see ``TPExecutor.shutdown``.)"""
+        if self.closed:
+            return
+        self.closed = True
+        # Only with every worker alive: after a death an NCCL kernel may wait for the lost
+        # peer forever, and synchronizing would wait with it (the abort then frees it).
+        healthy = self.executor is None or (
+            polite and all(p.poll() is None for p in self.executor.workers))
+        if healthy:
+            self.release_graphs()
         if self.executor is not None:
-            # Only with every worker alive: after a death an NCCL kernel may wait for the lost
-            # peer forever, and synchronizing would wait with it (the abort then frees it).
-            if polite and all(p.poll() is None for p in self.executor.workers):
-                self.release_graphs()
             self.executor.shutdown(polite)
+        if healthy:
+            self._release_device_memory()
+
+    def _release_device_memory(self) -> None:
+        """Drop every tensor this runner holds on the device and return PyTorch's cached
+        blocks to the driver, for another engine, in this process or another."""
+        for layer in self.__dict__.pop("attention_layers", []):
+            layer.k_cache = layer.v_cache = torch.empty(0)
+        for name in ("model", "kv_cache"):  # (the samplers keep only host state)
+            self.__dict__.pop(name, None)
+        self._in_flight_tokens, self._in_flight_rows = torch.empty(0, dtype=torch.int64), {}
+        gc.collect()  # whatever only reference cycles kept alive goes before the cache is emptied
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def release_graphs(self) -> None:
         """Drop the captured CUDA graphs. A tensor-parallel rank does this before it leaves
@@ -370,6 +408,8 @@ class ModelRunner:
     def request_errors(self, batch: SchedulerOutput) -> list[tuple[Sequence, Exception]]:
         """After ``launch(batch)`` raised: the sequences whose own preparation fails when
         tried alone, with their errors (empty: the failure is not one request's)."""
+        if self.closed:
+            return []
         failed = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             try:
