@@ -28,11 +28,12 @@ zeros the cache was allocated with. Whoever reads a released slot reads finite z
 **When.** The scheduler calls ``release_outside_window`` (a hook of ``BlockManager``, which
 releases nothing) for each running sequence at the start of every ``schedule()``, before
 allocating, so freed blocks serve the step being scheduled. ``num_computed_tokens`` then
-counts every step already launched. Under async scheduling the previous step may still be running and may still
-read (or write) a block released now; a block given to another sequence in this step is only
-written by this step, which the device runs after the previous one, so the reads come first.
-A release never uses the tokens of the step being scheduled (they would free keys that step's
-own queries read, and a block recycled into the same step would be overwritten first).
+counts every step already launched. Under async scheduling the previous step may still be
+running and may still read (or write) a block released now; a block given to another
+sequence in this step is only written by this step, which the device runs after the previous
+one, so the reads come first. A release never uses the tokens of the step being scheduled
+(they would free keys that step's own queries read, and a block recycled into the same step
+would be overwritten first).
 
 **Freeing.** ``BlockManager.free`` skips null slots and ``_release`` puts a block in the free
 queue for both paths, so this class adds no free-list code of its own.
