@@ -1,4 +1,8 @@
-"""The step loop: schedule -> run the model -> apply the new tokens (chapters 00, 06, 11).
+"""The step loop: schedule -> execute -> update (chapters 00, 06, 11).
+
+The scheduler owns every request's state (``scheduler.py``): ``step()`` asks it for a
+``SchedulerOutput``, has the model runner execute that, and hands the sampled tokens back to
+``Scheduler.update_from_output``, the one function that advances a request.
 
 ``add_request`` validates a request completely before it enters the engine, so bad input
 raises ``ValueError`` and never disturbs the requests already inside. ``make_sequence``
