@@ -552,6 +552,7 @@ show_source(TritonBackend)
 # %%
 # NBVAL_CHECK_OUTPUT
 from nanovllm.context import AttentionMetadata
+
 triton_backend, torch_backend = TritonBackend(), TorchBackend()
 
 # New lengths after this step; sequence 1 (16 tokens) spills into a new block: take a spare one.

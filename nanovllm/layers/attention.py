@@ -23,9 +23,9 @@ from nanovllm.context import get_attention_metadata
 from nanovllm.layers import torch_attention
 from nanovllm.layers.attention_backends import AttentionBackend, TorchBackend
 
-# The backend that attention layers built now take (the torch reference outside the engine).
-_backend_for_new_layers: ContextVar[AttentionBackend] = ContextVar(
-    "backend_for_new_layers", default=TorchBackend()
+# The backend that attention layers built now take (None: the torch reference).
+_backend_for_new_layers: ContextVar[AttentionBackend | None] = ContextVar(
+    "backend_for_new_layers", default=None
 )
 
 
@@ -57,7 +57,7 @@ class Attention(nn.Module):
             raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         self.sliding_window = sliding_window
         self.k_cache = self.v_cache = torch.empty(0)
-        self.backend = _backend_for_new_layers.get()
+        self.backend = _backend_for_new_layers.get() or TorchBackend()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = get_attention_metadata()

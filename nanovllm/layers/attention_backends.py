@@ -43,6 +43,7 @@ from nanovllm.layers.quantization.kv_cache import (
     quantize_kv,
 )
 
+Tensor = torch.Tensor
 # The Triton attention launchers (decode_attention, prefill_attention) refuse smaller blocks.
 TRITON_MIN_BLOCK_SIZE = 16
 
@@ -71,25 +72,13 @@ class AttentionBackend(Protocol):
         ...
 
     def store_kv(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
+        self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
     ) -> None:
         """Write each new token's key and value into its cache slot (slot -1: skip)."""
         ...
 
-    def attend(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        window: int | None = None,
-    ) -> torch.Tensor:
+    def attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
+               scale: float, window: int | None = None) -> Tensor:
         """Each query row over its own sequence's cached keys (the last ``window`` only)."""
         ...
 
@@ -101,24 +90,23 @@ class TorchBackend:
     uses_fused_kernels = False
     cuda_graphs = False  # reads lengths on the host (``.tolist()``, ``int(...max())``)
 
-    def __init__(
-        self,
-        kv_cache_dtype: str = "auto",
-        k_scale: float = DEFAULT_KV_SCALE,
-        v_scale: float = DEFAULT_KV_SCALE,
-    ) -> None:
+    def __init__(self, kv_cache_dtype: str = "auto", k_scale: float = DEFAULT_KV_SCALE,
+                 v_scale: float = DEFAULT_KV_SCALE) -> None:
         self.kv_cache_dtype, self.k_scale, self.v_scale = kv_cache_dtype, k_scale, v_scale
 
     @classmethod
     def check(cls, config: BackendSettings, device: torch.device) -> str | None:
         return None  # any device, dtype, block size and cache dtype
 
-    def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+    def store_kv(
+        self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+    ) -> None:
         if self.kv_cache_dtype == "fp8":
             key, value = quantize_kv(key, self.k_scale), quantize_kv(value, self.v_scale)
         torch_attention.store_kv(key, value, k_cache, v_cache, slot_mapping)
 
-    def attend(self, q, k_cache, v_cache, meta, scale, window=None) -> torch.Tensor:
+    def attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
+               scale: float, window: int | None = None) -> Tensor:
         if self.kv_cache_dtype == "fp8":  # a compact, widened copy of the blocks in use
             k_cache, v_cache, meta = dequantize_used_blocks(
                 k_cache, v_cache, meta, self.k_scale, self.v_scale, q.dtype
@@ -133,12 +121,8 @@ class TritonBackend:
     uses_fused_kernels = True
     cuda_graphs = True
 
-    def __init__(
-        self,
-        kv_cache_dtype: str = "auto",
-        k_scale: float = DEFAULT_KV_SCALE,
-        v_scale: float = DEFAULT_KV_SCALE,
-    ) -> None:
+    def __init__(self, kv_cache_dtype: str = "auto", k_scale: float = DEFAULT_KV_SCALE,
+                 v_scale: float = DEFAULT_KV_SCALE) -> None:
         # Imported here, once: triton must not load before TRITON_INTERPRET is set (CPU).
         from nanovllm.kernels.decode_attention import decode_attention
         from nanovllm.kernels.prefill_attention import prefill_attention
@@ -173,11 +157,14 @@ class TritonBackend:
             )
         return None
 
-    def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+    def store_kv(
+        self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+    ) -> None:
         self.store_kernel(key, value, k_cache, v_cache, slot_mapping,
                           k_scale=self.k_scale, v_scale=self.v_scale)
 
-    def attend(self, q, k_cache, v_cache, meta, scale, window=None) -> torch.Tensor:
+    def attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
+               scale: float, window: int | None = None) -> Tensor:
         extra = dict(k_scale=self.k_scale, v_scale=self.v_scale)
         if window is not None:
             extra["window"] = window

@@ -3,8 +3,9 @@
 
 FlashAttention's CuTe-DSL implementation is the package ``flash-attn-4`` (pre-releases only:
 ``pip install --pre flash-attn-4``), imported as ``flash_attn.cute``; this module imports it
-only when the backend is built (``FlashAttnBackend.check`` needs no import). What the backend relies on, read in the source of 4.0.0b36
-(``flash_attn/cute/interface.py``, ``paged_kv.py``, ``block_info.py``, ``mask.py``):
+only when the backend is built (``FlashAttnBackend.check`` needs no import). What the backend
+relies on, read in the source of 4.0.0b36 (``flash_attn/cute/interface.py``, ``paged_kv.py``,
+``block_info.py``, ``mask.py``):
 
 - ``flash_attn_varlen_func(q, k, v, cu_seqlens_q=, max_seqlen_q=, seqused_k=, page_table=,
   softmax_scale=, causal=, window_size=(left, right), num_splits=)`` returns ``(out, lse)``:
@@ -51,6 +52,8 @@ import torch
 
 from nanovllm.context import AttentionMetadata
 
+Tensor = torch.Tensor
+
 PIP_HINT = "pip install --pre flash-attn-4"
 # Compute-capability majors whose flash-attn-4 kernels accept a page table (see above).
 PAGED_MAJORS = (9, 10, 11)
@@ -90,7 +93,7 @@ def varlen_kwargs(
 
 
 class FlashAttnBackend:
-    """FlashAttention-4 over our paged cache (an ``AttentionBackend``, ``attention_backends.py``)."""
+    """FlashAttention-4 over our paged cache: an ``AttentionBackend`` (attention_backends.py)."""
 
     name = "flash_attn"
     uses_fused_kernels = True
@@ -116,8 +119,8 @@ class FlashAttnBackend:
 
     @classmethod
     def check(cls, config: Any, device: torch.device) -> str | None:
-        """Why ``attention_backend="flash_attn"`` cannot run ``config`` (an ``EngineConfig``
-        or any ``BackendSettings``) on ``device``; ``None`` if it can.
+        """Why ``attention_backend="flash_attn"`` cannot run ``config`` (``BackendSettings``:
+        an ``EngineConfig``) on ``device``; ``None`` if it can.
 
         Checked in order: a CUDA device, a GPU whose kernels take a page table (Hopper or
         datacenter Blackwell), the packages (flash-attn-4, and triton for ``store_kv``), the
@@ -151,17 +154,12 @@ class FlashAttnBackend:
                     f"{MIN_BLOCK_SIZE}")
         return None
 
-    def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+    def store_kv(
+        self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+    ) -> None:
         self.store_kernel(key, value, k_cache, v_cache, slot_mapping)
 
-    def attend(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        window: int | None = None,
-    ) -> torch.Tensor:
+    def attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
+               scale: float, window: int | None = None) -> Tensor:
         out, _ = self.varlen_func(q, k_cache, v_cache, **varlen_kwargs(meta, scale, window))
         return out
