@@ -199,7 +199,7 @@ def rms_norm_small(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 
 # %% [markdown]
-# The package's version, `nanovllm/layers/norm.py` (its `residual` argument and `use_triton`
+# The package's version, `nanovllm/layers/norm.py` (its `residual` argument and `fused_kernel`
 # switch serve the fused form of section 1.1), and a comparison on random inputs with a random
 # gain:
 

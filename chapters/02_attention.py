@@ -944,15 +944,16 @@ else:
 # ## 6. Switching it on in the engine
 #
 # The attention layer (`nanovllm/layers/attention.py`) stores the step's new keys and values
-# into the paged cache, then hands the query and the cache to its **backend**. The `triton`
-# backend sends the decode rows to the decode kernel of chapter 05 and everything else to the
+# into the paged cache, then hands the query and the cache to its **backend** (one class per
+# backend in `nanovllm/layers/attention_backends.py`). The `triton` backend sends the decode rows to the decode kernel of chapter 05 and everything else to the
 # prefill kernel above, shifting the query offsets past the decodes:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 from nanovllm.layers import attention as attention_layer
+from nanovllm.layers import attention_backends
 
-show_source(attention_layer._triton_backend, attention_layer.select_backend,
+show_source(attention_backends.TritonBackend, attention_backends.resolve_backend,
             attention_layer.Attention.forward)
 
 # %% [markdown]

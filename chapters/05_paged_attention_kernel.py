@@ -529,7 +529,8 @@ print("slots that changed:", changed, "(the -1 row wrote nothing)")
 # %% [markdown]
 # ### 7.3 Switched on in the engine: the `triton` backend
 #
-# The engine reaches these kernels through the attention *backend* (`nanovllm/layers/attention.py`):
+# The engine reaches these kernels through the attention *backend*
+# (`nanovllm/layers/attention_backends.py`):
 # every attention layer calls `backend.store_kv(...)`, then `backend.attend(...)` with the
 # step's `AttentionMetadata` (`nanovllm/context.py`). The `triton` backend sends the decode
 # rows of a batch to `decode_attention` and the prompt rows to the prefill kernel of
@@ -537,9 +538,9 @@ print("slots that changed:", changed, "(the -1 row wrote nothing)")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-from nanovllm.layers import attention as attention_module
+from nanovllm.layers.attention_backends import TorchBackend, TritonBackend
 
-show_source(attention_module._triton_backend)
+show_source(TritonBackend)
 
 # %% [markdown]
 # Below we build one decode step for our four sequences exactly as the model runner would:
@@ -551,10 +552,8 @@ show_source(attention_module._triton_backend)
 # %%
 # NBVAL_CHECK_OUTPUT
 from nanovllm.context import AttentionMetadata
-from nanovllm.layers.attention import select_backend
 
-triton_backend = select_backend("triton", torch.device(device))
-torch_backend = select_backend("torch", torch.device(device))
+triton_backend, torch_backend = TritonBackend(), TorchBackend()
 
 # New lengths after this step; sequence 1 (16 tokens) spills into a new block: take a spare one.
 new_lens = [n + 1 for n in LENS]

@@ -931,9 +931,11 @@ for name, which in (("K", 0), ("V", 1)):
 
 # %%
 # NBVAL_IGNORE_OUTPUT
+from nanovllm.layers.attention_backends import TorchBackend
 from nanovllm.layers.quantization import kv_cache
 
-show_source(kv_cache.quantize_kv, kv_cache.dequantize_kv, kv_cache.fp8_kv_backend)
+show_source(kv_cache.quantize_kv, kv_cache.dequantize_kv, kv_cache.dequantize_used_blocks,
+            TorchBackend.store_kv, TorchBackend.attend)
 
 # %% [markdown]
 # **Capacity doubles.** The engine sizes its cache in blocks from a memory budget (chapter 04).

@@ -423,9 +423,9 @@ from nanovllm.kernels import rmsnorm as rmsnorm_module
 show_source(rmsnorm_module._rmsnorm_kernel.fn)  # .fn: the Python function under @triton.jit
 
 # %% [markdown]
-# A layer picks the fused kernel when its `use_triton` flag is set; `set_fused_kernels`
-# (`nanovllm/layers/fused.py`) sets it on a whole model, and the model runner does so whenever
-# the Triton backend runs. Do the two paths agree? On the tiny random Qwen3 above, in fp32 (on
+# A layer runs the fused kernel while its `fused_kernel` attribute holds it; `set_fused_kernels`
+# (`nanovllm/layers/fused.py`) switches a whole model, and the model runner does so whenever
+# the backend brings fused kernels (`uses_fused_kernels`: Triton and FlashAttention). Do the two paths agree? On the tiny random Qwen3 above, in fp32 (on
 # a CPU the Triton kernels run in Triton's interpreter):
 
 # %%

@@ -9,7 +9,6 @@ exactly what its component buys: ``attention_backend``, ``enable_prefix_caching`
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 import re
 from dataclasses import dataclass
@@ -33,8 +32,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
-# The Triton attention launchers (decode_attention, prefill_attention) refuse smaller blocks.
-TRITON_MIN_BLOCK_SIZE = 16
 
 
 # The built-in scheduling policies (chapter 06), named here so that the config can check a
@@ -128,7 +125,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     # "auto": Triton on CUDA, torch elsewhere; "flash_attn": FlashAttention-4 (flash-attn-4,
-    # Hopper or newer, bf16/fp16), never chosen by "auto" (see nanovllm/layers/attention.py).
+    # Hopper or newer, bf16/fp16), never chosen by "auto" (nanovllm/layers/attention_backends.py).
     attention_backend: str = "auto"
     enforce_eager: bool = False  # True disables CUDA graphs
     # Plan step n+1 on the CPU while the GPU computes step n (chapter 11); None: on for CUDA.
@@ -234,40 +231,12 @@ class EngineConfig:
             )
 
     def _check_backend(self) -> None:
-        """Refuse, now rather than at the first step, what the chosen backend cannot run."""
-        from nanovllm.layers.attention import resolve_backend_name  # (imports the layers)
-        from nanovllm.layers.quantization.fp8 import MIN_FP8_CAPABILITY, fp8_supported
+        """Refuse, now rather than at the first step, what the chosen backend cannot run: each
+        backend's own ``check`` says why (``nanovllm/layers/attention_backends.py``)."""
+        # Imported when checked, so that importing the config does not import the layers.
+        from nanovllm.layers.attention_backends import resolve_backend
 
-        backend = resolve_backend_name(self.attention_backend, torch.device(self.device).type)
-        # Triton's e4m3 type (tl.float8e4nv) compiles only for compute capability >= 8.9;
-        # under the interpreter (CPU) it always works.
-        if self.kv_cache_dtype == "fp8" and backend == "triton" and not fp8_supported(
-            self.device
-        ):
-            major, minor = torch.cuda.get_device_capability(self.device)
-            need = ".".join(map(str, MIN_FP8_CAPABILITY))
-            raise ValueError(
-                f"kv_cache_dtype='fp8' with the Triton attention kernels needs a GPU of compute "
-                f"capability >= {need} (Ada, Hopper or newer: Triton converts e4m3 only there); "
-                f"{self.device} has {major}.{minor} (attention_backend="
-                f"{self.attention_backend!r}). Use attention_backend='torch', or "
-                "kv_cache_dtype='auto'"
-            )
-        if backend == "flash_attn":  # FlashAttention-4 (chapter 11): GPU, package, dtype
-            from nanovllm.layers.flash_attention import check_flash_attn
-
-            check_flash_attn(self.device, self.dtype, self.block_size, self.kv_cache_dtype)
-            return
-        if backend != "triton":
-            return
-        if importlib.util.find_spec("triton") is None:
-            raise ValueError("attention_backend='triton' needs the triton package")
-        if self.block_size < TRITON_MIN_BLOCK_SIZE:
-            raise ValueError(
-                f"block_size {self.block_size} is too small for the Triton attention kernels "
-                f"(attention_backend={self.attention_backend!r} on {self.device}): use "
-                f"block_size >= {TRITON_MIN_BLOCK_SIZE}, or attention_backend='torch'"
-            )
+        resolve_backend(self, torch.device(self.device))
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -26,10 +26,16 @@ from nanovllm.config import EngineConfig
 from nanovllm.configs import config_path
 from nanovllm.context import AttentionMetadata
 from nanovllm.layers import flash_attention, torch_attention
-from nanovllm.layers.attention import resolve_backend_name, select_backend
-from nanovllm.layers.flash_attention import check_flash_attn, varlen_kwargs
+from nanovllm.layers.attention_backends import resolve_backend_name
+from nanovllm.layers.flash_attention import FlashAttnBackend, varlen_kwargs
 
 QWEN3 = str(config_path("qwen3-0.6b"))
+
+
+def settings(dtype="bfloat16", block_size=16, kv_cache_dtype="auto"):
+    """What ``FlashAttnBackend.check`` reads of an ``EngineConfig``."""
+    return types.SimpleNamespace(attention_backend="flash_attn", dtype=dtype,
+                                 block_size=block_size, kv_cache_dtype=kv_cache_dtype)
 
 
 def _gpu(monkeypatch, capability=(9, 0), installed=True):
@@ -48,8 +54,7 @@ def _gpu(monkeypatch, capability=(9, 0), installed=True):
 # -- construction-time errors (CPU) ---------------------------------------------------------
 
 def test_cpu_device_is_refused():
-    with pytest.raises(ValueError, match="CUDA GPUs only"):
-        check_flash_attn("cpu", "float32", 16)
+    assert "CUDA GPUs only" in FlashAttnBackend.check(settings("float32"), torch.device("cpu"))
     with pytest.raises(ValueError, match="flash-attn"):  # as tests/test_validation.py expects
         EngineConfig(model=QWEN3, device="cpu", attention_backend="flash_attn")
 
@@ -72,13 +77,13 @@ def test_missing_parent_package_counts_as_missing(monkeypatch):
         raise ModuleNotFoundError(f"No module named {name.split('.')[0]!r}")
 
     monkeypatch.setattr(flash_attention.importlib.util, "find_spec", find_spec)
-    assert not flash_attention._installed("flash_attn.cute")
+    assert not flash_attention.package_installed("flash_attn.cute")
 
 
 def test_import_failure_at_build_time_is_a_value_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn.cute", None)  # import raises ImportError
     with pytest.raises(ValueError, match="flash-attn-4"):
-        select_backend("flash_attn", torch.device("cpu"))
+        FlashAttnBackend()
 
 
 @pytest.mark.parametrize(
@@ -105,9 +110,9 @@ def test_a_hopper_with_the_package_is_accepted_and_auto_stays_triton(monkeypatch
     assert resolve_backend_name("auto", "cuda") == "triton"
 
 
-def test_select_backend_refuses_an_fp8_cache():
+def test_building_it_for_an_fp8_cache_is_refused():
     with pytest.raises(ValueError, match="fp8"):
-        select_backend("flash_attn", torch.device("cuda"), kv_cache_dtype="fp8")
+        FlashAttnBackend("fp8")
 
 
 # -- the arguments, and what they mean (CPU) ------------------------------------------------
@@ -161,7 +166,7 @@ def test_the_arguments_describe_the_reference_attention(monkeypatch, window):
     cute = types.SimpleNamespace(flash_attn_varlen_func=fake_varlen_func)
     monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
     monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
-    backend = select_backend("flash_attn", torch.device("cpu"))
+    backend = FlashAttnBackend()
     assert backend.name == "flash_attn"
     gen = torch.Generator().manual_seed(1)
     q, k_cache, v_cache, (meta,) = paged_case(
@@ -178,11 +183,7 @@ def test_the_arguments_describe_the_reference_attention(monkeypatch, window):
 def _flash_attn_runs() -> bool:
     if not torch.cuda.is_available():
         return False
-    try:
-        check_flash_attn("cuda", "bfloat16", 16)
-    except ValueError:
-        return False
-    return True
+    return FlashAttnBackend.check(settings(), torch.device("cuda")) is None
 
 
 needs_flash_attn = pytest.mark.skipif(
@@ -243,7 +244,7 @@ def test_kernels_match_float32_reference(shape, block_size, window):
     q = qkv[:, : heads * head_dim].view(q.shape)
     assert not q.is_contiguous()
     scale = head_dim**-0.5
-    backend = select_backend("flash_attn", torch.device("cuda"))
+    backend = FlashAttnBackend()
     out = backend.attend(q, k_cache, v_cache, meta, scale, window=window)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
     _assert_close(out, _reference(q, k_cache, v_cache, meta, scale, window), "mixed step")
@@ -261,7 +262,7 @@ def test_decode_replays_in_a_cuda_graph_with_padding_rows():
     gen = torch.Generator(device="cuda").manual_seed(7)
     bucket, width = 8, 64
     q, k_cache, v_cache, (meta,) = paged_case([1] * bucket, [16 * width] * bucket, 16, gen)
-    backend = select_backend("flash_attn", torch.device("cuda"))
+    backend = FlashAttnBackend()
     backend.attend(q, k_cache, v_cache, meta, 0.1)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -284,7 +285,7 @@ def test_decode_replays_in_a_cuda_graph_with_padding_rows():
 def test_a_step_makes_no_host_sync():
     gen = torch.Generator(device="cuda").manual_seed(3)
     q, k_cache, v_cache, (meta,) = paged_case(Q_LENS, K_LENS, 16, gen)
-    backend = select_backend("flash_attn", torch.device("cuda"))
+    backend = FlashAttnBackend()
     backend.attend(q, k_cache, v_cache, meta, 0.1)  # compile first
     torch.cuda.set_sync_debug_mode("error")
     try:

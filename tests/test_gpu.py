@@ -14,7 +14,7 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.context import attention_metadata
-from nanovllm.layers.fused import set_fused_kernels
+from nanovllm.layers.fused import Fusable, set_fused_kernels
 from nanovllm.models import ModelConfig, get_model_class
 from nanovllm.weights.loader import load_safetensors
 
@@ -53,7 +53,8 @@ def test_fp32_greedy_matches_transformers_with_graphs(smollm2_shaped, async_sche
         async_scheduling=async_scheduling,
     )
     assert llm.engine.runner.graphs is not None
-    assert all(m.use_triton for m in llm.engine.runner.model.modules() if hasattr(m, "use_triton"))
+    fusable = [m for m in llm.engine.runner.model.modules() if isinstance(m, Fusable)]
+    assert fusable and all(m.fused_kernel is not None for m in fusable)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         ids = torch.tensor([prompt], device="cuda")

@@ -468,17 +468,17 @@ def test_fp8_kv_cache_holds_more_blocks(tiny_dir, dtype, factor):
     assert blocks["fp8"] == factor * blocks["auto"]  # measured 128 vs 64 (bf16), 32 (fp32)
 
 
-def test_fp8_kv_backend_is_the_torch_backend_on_rounded_values():
+def test_fp8_torch_backend_is_the_torch_backend_on_rounded_values():
     """Store into an e4m3 cache, attend: the same as the plain backend over a cache that
     holds the rounded values, for a decode and a prefill chunk after a cached prefix."""
     from nanovllm.context import AttentionMetadata
-    from nanovllm.layers.attention import select_backend
-    from nanovllm.layers.quantization.kv_cache import fp8_kv_backend, quantize_kv
+    from nanovllm.layers.attention_backends import TorchBackend
+    from nanovllm.layers.quantization.kv_cache import quantize_kv
 
     gen = torch.Generator().manual_seed(0)
     blocks, bs, kv_heads, dim, heads = 12, 4, 2, 8, 4
-    base = select_backend("torch", torch.device("cpu"))
-    fp8 = fp8_kv_backend(base, k_scale=0.5, v_scale=2.0)
+    base = TorchBackend()
+    fp8 = TorchBackend("fp8", k_scale=0.5, v_scale=2.0)
     k_cache = torch.zeros(blocks, bs, kv_heads, dim, dtype=FP8_DTYPE)
     v_cache = torch.zeros_like(k_cache)
     # sequence 0: 10 cached tokens in blocks 7, 2, 9; sequence 1: 6 tokens in blocks 4, 0

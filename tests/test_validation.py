@@ -279,6 +279,7 @@ def test_triton_needs_blocks_of_16(tiny_dir, monkeypatch):
     EngineConfig(model=str(tiny_dir), device="cpu", block_size=8)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     with pytest.raises(ValueError, match="attention_backend='torch'"):
         EngineConfig(model=str(tiny_dir), device="cuda", block_size=8)
     EngineConfig(model=str(tiny_dir), device="cuda", block_size=8, attention_backend="torch")

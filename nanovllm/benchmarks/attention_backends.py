@@ -138,15 +138,16 @@ def measure(backends: dict, q_lens, k_lens, block_size, gen, work: float, unit: 
 
 def load_backends(device: torch.device, block_size: int) -> tuple[dict, str | None]:
     """The Triton backend, and flash_attn where it can run (else why not)."""
-    from nanovllm.layers.attention import select_backend
-    from nanovllm.layers.flash_attention import check_flash_attn
+    from types import SimpleNamespace
 
-    backends = {"triton": select_backend("triton", device)}
-    try:
-        check_flash_attn(device, "bfloat16", block_size)
-    except ValueError as err:
-        return backends, str(err)
-    backends["flash_attn"] = select_backend("flash_attn", device)
+    from nanovllm.layers.attention_backends import FlashAttnBackend, TritonBackend
+
+    backends = {"triton": TritonBackend()}
+    settings = SimpleNamespace(dtype="bfloat16", block_size=block_size, kv_cache_dtype="auto")
+    reason = FlashAttnBackend.check(settings, device)
+    if reason is not None:
+        return backends, reason
+    backends["flash_attn"] = FlashAttnBackend()
     return backends, None
 
 

@@ -38,7 +38,8 @@ from nanovllm.engine.sampling_metadata import SamplingInputs
 from nanovllm.engine.scheduler_output import SchedulerOutput
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 from nanovllm.engine.step import InFlight, PackedArrays, PreparedBatch, StepPlan
-from nanovllm.layers.attention import GPU_BACKENDS, Attention, select_backend
+from nanovllm.layers.attention import Attention, building_with
+from nanovllm.layers.attention_backends import select_backend
 from nanovllm.layers.fused import set_fused_kernels
 from nanovllm.layers.logits_processors import process_logits
 from nanovllm.layers.quantization import process_weights_after_loading
@@ -99,16 +100,15 @@ class ModelRunner:
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)  # e4m3 for "fp8"
         self.block_size = config.block_size
         at_start = claim_gpu_share(config, self.device)  # before the weights: the rest is ours
-        self.model = self._build_model()
         # kv_cache_dtype="fp8": the backend stores e4m3 and widens it on load (chapter 08)
-        self.backend = select_backend(config.attention_backend, self.device, config.kv_cache_dtype)
+        self.backend = select_backend(config, self.device)
+        with building_with(self.backend):  # every attention layer takes it
+            self.model = self._build_model()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        for layer in self.attention_layers:
-            layer.backend = self.backend
         # The GPU backends bring fused norm, RoPE and activation kernels too (chapter 11).
-        set_fused_kernels(self.model, self.backend.name in GPU_BACKENDS)
+        set_fused_kernels(self.model, self.backend.uses_fused_kernels)
         with_graphs = (self.device.type == "cuda" and not config.enforce_eager
-                       and self.backend.name in GPU_BACKENDS)
+                       and self.backend.cuda_graphs)
         # How many blocks fit (chapter 03): on a GPU, this engine's share less what it takes
         # besides the cache (weights, the largest step's activations, graphs).
         activations = (activation_bytes(self.model, config, self.device)

@@ -9,8 +9,8 @@ computed in fp32 and rounded to the activation dtype, and the product is rounded
 rounding of the PyTorch path (``nanovllm/layers/activation.py``).
 
 Chapter 11 (``chapters/11_performance``) counts the kernels this fusion saves; chapter 01
-teaches SwiGLU. ``SiluAndMul`` (``nanovllm/layers/activation.py``) uses the kernel when its
-``use_triton`` flag is set (``nanovllm/layers/fused.py``).
+teaches SwiGLU. ``SiluAndMul`` (``nanovllm/layers/activation.py``) uses the kernel once
+``set_fused_kernels`` switches it on (``nanovllm/layers/fused.py``).
 
 Runs on a GPU, or on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1`` set before
 ``triton`` is imported).

@@ -14,7 +14,7 @@ again, which is exactly how the PyTorch path (``nanovllm/layers/norm.py``) round
 
 Chapter 11 (``chapters/11_performance``) counts the kernels this fusion saves; chapter 01
 teaches RMSNorm and the residual-carrying layer. ``RMSNorm`` (``nanovllm/layers/norm.py``) uses
-the kernel when its ``use_triton`` flag is set (``nanovllm/layers/fused.py``).
+the kernel once ``set_fused_kernels`` switches it on (``nanovllm/layers/fused.py``).
 
 Runs on a GPU, or on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1`` set before
 ``triton`` is imported). The arithmetic is fp32; results are rounded by ``round_to``

@@ -15,8 +15,8 @@ of the token's position stores ``x1 * cos - x2 * sin`` and ``x2 * cos + x1 * sin
 
 Chapter 11 (``chapters/11_performance``) counts the kernels this fusion saves; chapter 01
 teaches RoPE (``nanovllm/layers/rotary.py`` is the PyTorch path and owns the cos/sin tables).
-``SelfAttention`` (``nanovllm/models/llama.py``) uses the kernel when its ``use_triton`` flag is
-set (``nanovllm/layers/fused.py``).
+``SelfAttention`` (``nanovllm/models/llama.py``) uses the kernel once ``set_fused_kernels``
+switches it on (``nanovllm/layers/fused.py``).
 
 Runs on a GPU, or on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1`` set before
 ``triton`` is imported).

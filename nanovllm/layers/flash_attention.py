@@ -3,8 +3,9 @@
 
 FlashAttention's CuTe-DSL implementation is the package ``flash-attn-4`` (pre-releases only:
 ``pip install --pre flash-attn-4``), imported as ``flash_attn.cute``; this module imports it
-only when the backend is built. What the backend relies on, read in the source of 4.0.0b36
-(``flash_attn/cute/interface.py``, ``paged_kv.py``, ``block_info.py``, ``mask.py``):
+only when the backend is built (``FlashAttnBackend.check`` needs no import). What the backend
+relies on, read in the source of 4.0.0b36 (``flash_attn/cute/interface.py``, ``paged_kv.py``,
+``block_info.py``, ``mask.py``):
 
 - ``flash_attn_varlen_func(q, k, v, cu_seqlens_q=, max_seqlen_q=, seqused_k=, page_table=,
   softmax_scale=, causal=, window_size=(left, right), num_splits=)`` returns ``(out, lse)``:
@@ -39,18 +40,19 @@ only when the backend is built. What the backend relies on, read in the source o
   (``host_us`` in ``nanovllm/benchmarks/attention_backends.py``). SM100 is untried here.
 
 New keys and values are stored by our Triton ``store_kv`` kernel (flash-attn-4 has no
-store), and the fused Triton norm/RoPE/activation kernels stay on (``model_runner``).
+store), and the fused Triton norm/RoPE/activation kernels stay on (``uses_fused_kernels``).
 """
 
 from __future__ import annotations
 
 import importlib.util
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from nanovllm.context import AttentionMetadata
+
+Tensor = torch.Tensor
 
 PIP_HINT = "pip install --pre flash-attn-4"
 # Compute-capability majors whose flash-attn-4 kernels accept a page table (see above).
@@ -60,60 +62,12 @@ MIN_BLOCK_SIZE = 16
 DTYPES = ("float16", "bfloat16")
 
 
-def _installed(module: str) -> bool:
+def package_installed(module: str) -> bool:
+    """Whether ``module`` can be imported, without importing it."""
     try:
         return importlib.util.find_spec(module) is not None
     except ModuleNotFoundError:  # a parent package is missing
         return False
-
-
-def check_flash_attn(
-    device: str | torch.device,
-    dtype: str,
-    block_size: int,
-    kv_cache_dtype: str = "auto",
-) -> None:
-    """Raise ``ValueError`` saying why ``attention_backend="flash_attn"`` cannot run here.
-
-    Checked in order: a CUDA device, a GPU whose kernels take a page table (Hopper or
-    datacenter Blackwell), the packages (flash-attn-4, and triton for ``store_kv``), the
-    dtype, the KV-cache dtype and the block size. ``EngineConfig`` calls this at
-    construction, so a bad combination fails before any weight is loaded.
-    """
-    device = torch.device(device)
-    name = "attention_backend='flash_attn' (FlashAttention-4, package flash-attn-4)"
-    if device.type != "cuda":
-        raise ValueError(
-            f"{name} runs on CUDA GPUs only; device is {str(device)!r}. Use "
-            "attention_backend='torch' or 'triton'"
-        )
-    major, minor = torch.cuda.get_device_capability(device)
-    if major not in PAGED_MAJORS:
-        raise ValueError(
-            f"{name} needs a GPU whose flash-attn-4 kernels read a paged KV cache: compute "
-            f"capability 9.x (Hopper) or 10.x/11.x (Blackwell); {device} has {major}.{minor}. "
-            "Use attention_backend='triton'"
-        )
-    if not _installed("flash_attn.cute"):
-        raise ValueError(f"{name} needs the flash-attn-4 package: {PIP_HINT}")
-    if not _installed("triton"):
-        raise ValueError(f"{name} stores keys and values with a Triton kernel: pip install triton")
-    if dtype not in DTYPES:
-        raise ValueError(
-            f"{name} computes in float16 or bfloat16 only; dtype is {dtype!r}. Use "
-            "dtype='bfloat16', or attention_backend='triton' for float32"
-        )
-    if kv_cache_dtype != "auto":
-        raise ValueError(
-            f"{name} does not read an fp8 KV cache here (flash-attn-4 wants q in fp8 too and "
-            f"runs fp8 on SM100 only); kv_cache_dtype is {kv_cache_dtype!r}. Use "
-            "attention_backend='triton' with kv_cache_dtype='fp8'"
-        )
-    if block_size < MIN_BLOCK_SIZE:
-        raise ValueError(
-            f"block_size {block_size} is below what {name} is known to run (pages of "
-            f"{MIN_BLOCK_SIZE}..256 tokens were checked): use block_size >= {MIN_BLOCK_SIZE}"
-        )
 
 
 def varlen_kwargs(
@@ -138,25 +92,74 @@ def varlen_kwargs(
     }
 
 
-def flash_attention_backend() -> SimpleNamespace:
-    """The backend's functions (the namespace ``select_backend`` returns for "flash_attn")."""
-    try:
-        from flash_attn.cute import flash_attn_varlen_func
-    except ImportError as err:
-        raise ValueError(
-            f"attention_backend='flash_attn' needs the flash-attn-4 package ({PIP_HINT}): {err}"
-        ) from err
-    from nanovllm.kernels.store_kv import store_kv
+class FlashAttnBackend:
+    """FlashAttention-4 over our paged cache: an ``AttentionBackend`` (attention_backends.py)."""
 
-    def attend(
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        window: int | None = None,
-    ) -> torch.Tensor:
-        out, _ = flash_attn_varlen_func(q, k_cache, v_cache, **varlen_kwargs(meta, scale, window))
+    name = "flash_attn"
+    uses_fused_kernels = True
+    cuda_graphs = True
+
+    def __init__(self, kv_cache_dtype: str = "auto") -> None:
+        if kv_cache_dtype != "auto":  # check() refuses this first; direct callers land here
+            raise ValueError(
+                "attention_backend='flash_attn' does not read an fp8 KV cache; use "
+                "attention_backend='triton' with kv_cache_dtype='fp8'"
+            )
+        try:  # imported here, once: the package is optional
+            from flash_attn.cute import flash_attn_varlen_func
+        except ImportError as err:
+            raise ValueError(
+                f"attention_backend='flash_attn' needs the flash-attn-4 package ({PIP_HINT}): "
+                f"{err}"
+            ) from err
+        from nanovllm.kernels.store_kv import store_kv
+
+        self.varlen_func, self.store_kernel = flash_attn_varlen_func, store_kv
+        self.kv_cache_dtype = kv_cache_dtype
+
+    @classmethod
+    def check(cls, config: Any, device: torch.device) -> str | None:
+        """Why ``attention_backend="flash_attn"`` cannot run ``config`` (``BackendSettings``:
+        an ``EngineConfig``) on ``device``; ``None`` if it can.
+
+        Checked in order: a CUDA device, a GPU whose kernels take a page table (Hopper or
+        datacenter Blackwell), the packages (flash-attn-4, and triton for ``store_kv``), the
+        dtype, the KV-cache dtype and the block size.
+        """
+        device = torch.device(device)
+        name = "attention_backend='flash_attn' (FlashAttention-4, package flash-attn-4)"
+        if device.type != "cuda":
+            return (f"{name} runs on CUDA GPUs only; device is {str(device)!r}. Use "
+                    "attention_backend='torch' or 'triton'")
+        major, minor = torch.cuda.get_device_capability(device)
+        if major not in PAGED_MAJORS:
+            return (f"{name} needs a GPU whose flash-attn-4 kernels read a paged KV cache: "
+                    f"compute capability 9.x (Hopper) or 10.x/11.x (Blackwell); {device} has "
+                    f"{major}.{minor}. Use attention_backend='triton'")
+        if not package_installed("flash_attn.cute"):
+            return f"{name} needs the flash-attn-4 package: {PIP_HINT}"
+        if not package_installed("triton"):
+            return f"{name} stores keys and values with a Triton kernel: pip install triton"
+        if config.dtype not in DTYPES:
+            return (f"{name} computes in float16 or bfloat16 only; dtype is {config.dtype!r}. "
+                    "Use dtype='bfloat16', or attention_backend='triton' for float32")
+        if config.kv_cache_dtype != "auto":
+            return (f"{name} does not read an fp8 KV cache here (flash-attn-4 wants q in fp8 "
+                    f"too and runs fp8 on SM100 only); kv_cache_dtype is "
+                    f"{config.kv_cache_dtype!r}. Use attention_backend='triton' with "
+                    "kv_cache_dtype='fp8'")
+        if config.block_size < MIN_BLOCK_SIZE:
+            return (f"block_size {config.block_size} is below what {name} is known to run "
+                    f"(pages of {MIN_BLOCK_SIZE}..256 tokens were checked): use block_size >= "
+                    f"{MIN_BLOCK_SIZE}")
+        return None
+
+    def store_kv(
+        self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+    ) -> None:
+        self.store_kernel(key, value, k_cache, v_cache, slot_mapping)
+
+    def attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
+               scale: float, window: int | None = None) -> Tensor:
+        out, _ = self.varlen_func(q, k_cache, v_cache, **varlen_kwargs(meta, scale, window))
         return out
-
-    return SimpleNamespace(name="flash_attn", store_kv=store_kv, attend=attend)

@@ -2,10 +2,12 @@
 
 ``forward(x, residual)`` also does the residual add that precedes every norm of a decoder
 layer, so the add and the norm can run as one fused Triton kernel (chapter 11,
-``nanovllm/kernels/rmsnorm.py``) when ``use_triton`` is set.
+``nanovllm/kernels/rmsnorm.py``) once ``set_fused_kernels`` (``fused.py``) switches it on.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -16,19 +18,24 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
-        self.use_triton = False  # nanovllm.layers.fused.set_fused_kernels switches it
+        self.fused_kernel: Callable | None = None  # set by layers/fused.py: set_fused_kernels
+
+    @staticmethod
+    def load_fused_kernel() -> Callable:
+        from nanovllm.kernels.rmsnorm import rmsnorm  # needs triton: imported when switched on
+
+        return rmsnorm
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``norm(x)``; with ``residual``, ``(norm(x + residual), x + residual)``."""
-        if self.use_triton:
-            from nanovllm.kernels.rmsnorm import rmsnorm  # needs triton: imported only when on
-
+        if self.fused_kernel is not None:
             rows = x.reshape(-1, x.shape[-1])
             if residual is None:
-                return rmsnorm(rows, self.weight, self.eps).view(x.shape)
-            y, _ = rmsnorm(rows, self.weight, self.eps, residual.view(rows.shape))  # in place
+                return self.fused_kernel(rows, self.weight, self.eps).view(x.shape)
+            # the kernel writes x + residual into residual, in place
+            y, _ = self.fused_kernel(rows, self.weight, self.eps, residual.view(rows.shape))
             return y.view(x.shape), residual
         if residual is None:
             return self._normalise(x)

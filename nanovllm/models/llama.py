@@ -4,11 +4,13 @@ Per layer: ``x + attention(rmsnorm(x))`` then ``x + mlp(rmsnorm(x))``, where att
 rotary positions and grouped-query heads, and the MLP is SwiGLU. Qwen3 is the same with an
 extra RMSNorm on each query and key head (``qk_norm``), see ``qwen3.py``. The code carries the
 residual stream beside the sub-layer output, so every ``+`` happens inside the next norm: with
-``use_triton`` set (``nanovllm/layers/fused.py``) the add, the norms, RoPE and SwiGLU's gate
-run as fused Triton kernels (chapter 11).
+the fused kernels switched on (``nanovllm/layers/fused.py``) the add, the norms, RoPE and
+SwiGLU's gate run as fused Triton kernels (chapter 11).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -45,18 +47,24 @@ class SelfAttention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = qk_norm
-        self.use_triton = False  # fused q/k norm + RoPE kernel (nanovllm.layers.fused)
+        self.fused_kernel: Callable | None = None  # q/k norm + RoPE in one (layers/fused.py)
+
+    @staticmethod
+    def load_fused_kernel() -> Callable:
+        from nanovllm.kernels.rope import qk_norm_rope_  # needs triton: imported when on
+
+        return qk_norm_rope_
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = self.qkv_proj(x)
-        if self.use_triton:
+        if self.fused_kernel is not None:
             self._fused_norm_rope(positions, qkv)
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if not self.use_triton:
+        if self.fused_kernel is None:
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary_emb(positions, q, k)
@@ -64,15 +72,13 @@ class SelfAttention(nn.Module):
 
     def _fused_norm_rope(self, positions: torch.Tensor, qkv: torch.Tensor) -> None:
         """The q/k norms (Qwen3) and RoPE as one Triton kernel, in place on ``qkv`` (ch. 11)."""
-        from nanovllm.kernels.rope import qk_norm_rope_  # needs triton: imported only when on
-
         rope = self.rotary_emb
         shape = (self.num_heads, self.num_kv_heads, self.head_dim)
         args = (qkv, positions, rope.cos, rope.sin, *shape)
         if self.qk_norm:
-            qk_norm_rope_(*args, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            self.fused_kernel(*args, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         else:
-            qk_norm_rope_(*args)
+            self.fused_kernel(*args)
 
 
 class MLP(nn.Module):

@@ -1,4 +1,4 @@
-"""The fused kernels inside the model: ``use_triton`` layers agree with the PyTorch path.
+"""The fused kernels inside the model: layers switched to them agree with the PyTorch path.
 
 Layers: the fused RMSNorm (with its residual add) and SiluAndMul round like the PyTorch path
 (round the fp32 result to the activation dtype, multiply, round again), so in bf16 and fp16
@@ -21,7 +21,7 @@ from course_ids import MODEL
 
 from nanovllm.context import attention_metadata
 from nanovllm.layers.activation import SiluAndMul
-from nanovllm.layers.fused import set_fused_kernels
+from nanovllm.layers.fused import Fusable, set_fused_kernels
 from nanovllm.layers.norm import RMSNorm
 from nanovllm.models import ModelConfig, get_model_class
 
@@ -55,7 +55,7 @@ def test_rmsnorm_layer_matches_torch_path(dtype):
     with torch.no_grad():
         expected, expected_residual = norm(x, residual)
         expected_heads = norm(heads)
-        norm.use_triton = True
+        set_fused_kernels(norm, True)
         fused, fused_residual = norm(x, residual.clone())
         fused_heads = norm(heads)
     assert torch.equal(fused_residual, expected_residual)
@@ -70,7 +70,7 @@ def test_silu_and_mul_layer_matches_torch_path(dtype):
     gate_up = gate_up.to(DEVICE, dtype)
     act = SiluAndMul()
     expected = act(gate_up)
-    act.use_triton = True
+    set_fused_kernels(act, True)
     fused = act(gate_up)
     assert fused.shape == expected.shape == (2, 17, 300)
     assert_nearly_bit_equal(fused, expected)
@@ -123,7 +123,7 @@ def test_fused_model_matches_torch_path(name):
 
     hidden, logits = run()
     set_fused_kernels(model, True)
-    flags = [m.use_triton for m in model.modules() if hasattr(m, "use_triton")]
+    flags = [m.fused_kernel is not None for m in model.modules() if isinstance(m, Fusable)]
     # per layer: 2 norms, attention, SiluAndMul (+ q/k norms in Qwen3); and the final norm
     assert all(flags) and len(flags) == 2 * (4 + 2 * model.config.architecture.startswith("Q")) + 1
     fused_hidden, fused_logits = run()

@@ -16,24 +16,23 @@ per tile in every attention kernel; a per-layer scalar folds into the softmax sc
 the output (V), so the kernels barely change. A model whose keys exceed 448 would need a
 calibrated scale (left for later: checkpoints' ``k_scale``/``v_scale`` are not read yet).
 
-Two paths (``nanovllm.layers.attention.select_backend`` picks one):
+Two paths (the attention backends of ``nanovllm/layers/attention_backends.py``):
 
 - ``triton``: the kernels read and write e4m3 themselves. ``store_kv`` divides by the scale,
   saturates and rounds; the paged decode and prefill kernels load one byte per element, widen
   each tile to the query's dtype in registers, fold ``k_scale`` into the softmax scale and
   multiply the output by ``v_scale``. Triton converts e4m3 on GPUs of compute capability
   >= 8.9 only (``EngineConfig`` refuses older ones), and under the interpreter on CPU.
-- ``torch``: the backend wrapped by ``fp8_kv_backend`` below. Storing divides by the scale,
-  clamps to +-448 (an out-of-range cast may give NaN on some torch builds) and casts;
-  attending gathers only the blocks the batch's block tables use, dequantizes them to the
-  query's dtype and runs the ordinary backend on that compact cache with renumbered block
-  tables. Correct on any device, but it moves the used blocks twice per step.
+- ``torch``: storing divides by the scale (``quantize_kv``), clamps to +-448 (an
+  out-of-range cast may give NaN on some torch builds) and casts; attending gathers only the
+  blocks the batch's block tables use, dequantizes them to the query's dtype
+  (``dequantize_used_blocks``) and runs the ordinary reference on that compact cache with
+  renumbered block tables. Correct on any device, but it moves the used blocks twice per step.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 
 import torch
 
@@ -74,22 +73,17 @@ def compact_blocks(
     return used, renumbered.to(block_tables.dtype)
 
 
-def fp8_kv_backend(
-    base: SimpleNamespace, k_scale: float = DEFAULT_KV_SCALE, v_scale: float = DEFAULT_KV_SCALE
-) -> SimpleNamespace:
-    """``base`` (an attention backend: ``store_kv``, ``attend``) over an e4m3 cache."""
-
-    def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
-        base.store_kv(quantize_kv(key, k_scale), quantize_kv(value, v_scale), k_cache, v_cache,
-                      slot_mapping)
-
-    def attend(
-        q, k_cache, v_cache, meta: AttentionMetadata, scale: float, **window
-    ) -> torch.Tensor:  # **window: a sliding window (chapter 12), passed on to the base
-        used, tables = compact_blocks(meta.block_tables, k_cache.shape[0])
-        k = dequantize_kv(k_cache[used], k_scale, q.dtype)
-        v = dequantize_kv(v_cache[used], v_scale, q.dtype)
-        return base.attend(q, k, v, dataclasses.replace(meta, block_tables=tables), scale, **window)
-
-    return SimpleNamespace(name=base.name, store_kv=store_kv, attend=attend,
-                           kv_cache_dtype="fp8", k_scale=k_scale, v_scale=v_scale)
+def dequantize_used_blocks(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    k_scale: float,
+    v_scale: float,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """The blocks ``meta``'s tables use, widened to ``dtype``, and the metadata renumbered to
+    index them: an e4m3 cache as the ordinary torch backend reads one."""
+    used, tables = compact_blocks(meta.block_tables, k_cache.shape[0])
+    k = dequantize_kv(k_cache[used], k_scale, dtype)
+    v = dequantize_kv(v_cache[used], v_scale, dtype)
+    return k, v, dataclasses.replace(meta, block_tables=tables)
