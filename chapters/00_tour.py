@@ -27,7 +27,7 @@
 # finished engine on a real model, look at what it returns, peek at its internals, draw the map of
 # the package and of the book, and measure the one effect that makes engines worth writing.
 #
-# ## 0.1 Why `model.generate` is not enough
+# ## 1. Why `model.generate` is not enough
 #
 # Generating text from one prompt is a short loop: run the model on the tokens so far, pick a next
 # token, append it, repeat until an end-of-sequence token or a length limit. Libraries ship that
@@ -47,11 +47,13 @@
 #   batches raise throughput, but every request in the batch waits for the whole step. The
 #   scheduler (chapter 06) makes that trade every step.
 #
-# The engine in this book answers all three the way production engines such as vLLM do, in a few
-# thousand lines of Python you can read in a week. Let's start it.
+# The engine in this book answers all three the way production engines such as vLLM do. Its core
+# (the engine loop, the layers, the Triton kernels and the models) is under ten thousand lines
+# of Python, one concept per file; the rest of the package is the server, the measuring tools
+# and the course. Section 7 prints the map with every module's length. Let's start it.
 
 # %% [markdown]
-# ## 0.2 Setup
+# ## 2. Setup
 #
 # The book's code lives in the package `nanovllm`; the chapters import it. The public API is three
 # names: `LLM` (the engine), `SamplingParams` (how one request picks its tokens and when it stops)
@@ -84,7 +86,7 @@ print(f"python {platform.python_version()}, torch {torch.__version__}, "
 print("device:", torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu")
 
 # %% [markdown]
-# ## 0.3 Start the engine
+# ## 3. Start the engine
 #
 # `LLM(path)` reads the model folder (`config.json`, the safetensors weights, the tokenizer),
 # builds the model, loads the weights and sets aside memory for the KV cache. Keyword arguments
@@ -120,7 +122,7 @@ print(f"parameters: {num_params:,} = {weight_bytes / 2**20:.0f} MiB in {llm.conf
 # keeps in its KV cache stores one key and one value vector per KV head per layer (chapter 03).
 
 # %% [markdown]
-# ## 0.4 Ask it something: `llm.chat`
+# ## 4. Ask it something: `llm.chat`
 #
 # `llm.chat` takes conversations, lists of `{"role", "content"}` messages, and answers them all
 # together. `SamplingParams(temperature=0)` asks for *greedy* decoding: always the most likely next
@@ -158,7 +160,7 @@ print(f"-> {len(first.prompt_token_ids)} prompt tokens; the last token of the an
 # end-of-sequence token and stops the request. Exercise 2 rebuilds this template by hand.
 
 # %% [markdown]
-# ## 0.5 Plain completion: `llm.generate`
+# ## 5. Plain completion: `llm.generate`
 #
 # `llm.generate` continues raw text, with no template. It returns one `RequestOutput` per prompt,
 # in prompt order, with the generated `text`, its `token_ids` and a `finish_reason`:
@@ -212,7 +214,7 @@ print("seed 1 gives different tokens:     ", samples[2].token_ids != samples[0].
 # generator of the device, so a GPU prints other stories.
 
 # %% [markdown]
-# ## 0.6 The smallest engine is a for-loop
+# ## 6. The smallest engine is a for-loop
 #
 # To see what the engine adds, write the loop from 0.1 ourselves, on the very model object the
 # engine runs. The model takes a flat tensor of token ids and their positions and returns one
@@ -249,7 +251,7 @@ for out in outputs[:2]:
 # notion of memory at all (the block manager, chapter 04).
 
 # %% [markdown]
-# ## 0.7 The map of the book and of the package
+# ## 7. The map of the book and of the package
 #
 # Each chapter builds one component small, in the notebook, then shows the package's version,
 # checks that the two agree, switches the component on in the engine and measures it. Every
@@ -341,7 +343,7 @@ print("the last step's report:", reports)
 # block. Memory is handed out a block at a time, as it is needed.
 
 # %% [markdown]
-# ## 0.8 Peek inside
+# ## 8. Peek inside
 #
 # Every chat prompt begins with the same default system message. The engine notices: when a prompt
 # starts with tokens whose keys and values are still in the KV cache from an earlier request, it
@@ -450,7 +452,7 @@ for name in ["dtype", "block_size", "max_num_seqs", "max_num_batched_tokens",
     print(f"{name:<24} {getattr(llm.config, name)!r}")
 
 # %% [markdown]
-# ## 0.9 The effect that makes engines worth writing: batching
+# ## 9. The effect that makes engines worth writing: batching
 #
 # How long does one decode step take? For every new token the model multiplies the token's hidden
 # vector by every weight matrix once: about 2 floating-point operations per parameter, while every
@@ -476,8 +478,9 @@ print(f"one decode step of one sequence: {flops_per_token / 1e9:.2f} GFLOP on "
 # wall time), and *decode* (B tokens per decode step, using the **fastest** of the 31 decode
 # steps). Other programs on the machine can only add time to a step, never remove it: with the
 # median, a busy machine once showed a step for 2 requests slower than a step for 4, which says
-# nothing about batching. The fastest step is the cost of the step itself. Sizes are small so
-# that this runs in seconds on a laptop CPU.
+# nothing about batching. The fastest step is the closest we get to the cost of the step itself,
+# but on a shared machine even the fastest of 31 can be slowed, so read the trend over B rather
+# than two neighbouring rows. Sizes are small so that this runs in seconds on a laptop CPU.
 
 # %%
 NEW_TOKENS = 32

@@ -634,7 +634,10 @@ for L_ in (1024, 8192, 32768):
     naive, tiled = naive_traffic(L_, d_model), tiled_traffic(L_, d_model, 64)
     print(f"L = {L_:6,d}: naive {naive / 1e6:9.1f} MB, tiled (B_M = 64) {tiled / 1e6:7.1f} MB, "
           f"ratio {naive / tiled:4.1f}x  (per head per layer, bf16, head_dim {d_model})")
-H200_TB_PER_S = 4.28  # device-to-device copy measured on the H200 used for this book's GPU runs
+from nanovllm.viz.records import headline
+
+# the book's one record of the H200's device-to-device copy bandwidth (nanovllm/viz/records.py)
+H200_TB_PER_S = round(headline("h200_copy_bytes_per_s") / 1e12, 2)
 L_ = 8192
 layers_heads = smollm.num_layers * smollm.num_heads
 naive_gb = naive_traffic(L_, d_model) * layers_heads / 1e9
@@ -1108,7 +1111,7 @@ print("tile sweep, Qwen3-0.6B shape (BLOCK_M, BLOCK_N, warps, stages): TFLOP/s a
 for tiles in dict.fromkeys(tuple(r["tiles"]) for r in tiles_runs):
     by_block = {r["block_size"]: r["tflops"] for r in tiles_runs if tuple(r["tiles"]) == tiles}
     print(f"  {str(tiles):16s} {by_block[256]:6.1f} / {by_block[16]:6.1f}")
-H200_BF16_MATMUL_TFLOPS = 780  # torch.matmul, bf16, 8192^3, measured on the same H200
+H200_BF16_MATMUL_TFLOPS = round(headline("h200_bf16_matmul_flops") / 1e12)  # bf16 8192^3 matmul
 for label, result in recorded.items():
     runs = recorded_tflops(result)
     speedup = runs["ours, block 256"] / runs["varlen_attn"]
@@ -1133,8 +1136,8 @@ for label, result in recorded.items():
 # tiles were chosen: 64 query rows × 32 keys with 4 warps is the best of those tried; 8 warps
 # or 128-row tiles are slower (the kernel's docstring explains the choice by register
 # pressure: the fp32 score tile, the accumulator and the K/V pointers must stay in
-# registers). For scale: the same machine does a large bf16 matmul at 780 TFLOP/s, so this
-# prefill attention runs at 30% of the dense-matmul rate. Attention has more to do per FLOP than
+# registers). For scale, the last column printed above compares the kernel with a large bf16
+# matmul on the same machine: prefill attention runs at a fraction of the dense-matmul rate. Attention has more to do per FLOP than
 # a matmul: the softmax's exponentials, the masked diagonal tiles and, with prompts of at most
 # 1,024 tokens, many short sequences whose programs have little work each.
 

@@ -153,7 +153,7 @@ print(f"{len(PARAGRAPH)} tokens to cut prompts from; prompt(0, 8) = {prompt(0, 8
 print(repr(tokenizer.decode(prompt(0, 8))))
 
 # %% [markdown]
-# ## 6.1 Why a scheduler: static versus continuous batching
+# ## 1. Why a scheduler: static versus continuous batching
 #
 # Chapter 00 measured the effect everything here rests on: a decode step for *B* sequences costs
 # little more than a step for one, because the step's cost is dominated by reading the weights,
@@ -300,7 +300,7 @@ for _ in range(200):
 print("the package's scheduler and continuous_spans agree on 200 random workloads")
 
 # %% [markdown]
-# ## 6.2 Static and continuous batching on the real engine
+# ## 2. Static and continuous batching on the real engine
 #
 # Now the same eight requests on SmolLM2, with prompts of 12 to 40 tokens and four slots
 # (`max_num_seqs=4`). Static batching is something we do *outside* the engine: hand it four
@@ -400,13 +400,13 @@ plt.show()
 # fewer steps.
 
 # %% [markdown]
-# ## 6.3 Continuous against static batching, with many requests
+# ## 3. Continuous against static batching, with many requests
 #
 # A claim that circulates in blog posts and vendor slides: *"continuous batching engines give
 # 3–5× higher throughput once you have more than 8 concurrent requests"*. The comparison in it
 # is continuous batching against **static** batching, the same engine with the same slots, not
 # many requests against one. (How throughput grows with the number of requests in a step is
-# chapter 00's batching measurement.) Section 6.2 measured the two on eight requests; here we
+# chapter 00's batching measurement.) Section 2 measured the two on eight requests; here we
 # scale that up: C = 8, 16 and 32 requests arrive at once, eight slots (`max_num_seqs=8`), 8-token
 # prompts, and output lengths drawn from 1 to 32 tokens, as answers differ in length. Static
 # batching runs groups of eight to completion, one after another; continuous batching gets all C
@@ -508,7 +508,7 @@ plt.show()
 # measure them, as here.
 
 # %% [markdown]
-# ## 6.4 Chunked prefill: long prompts without head-of-line blocking
+# ## 4. Chunked prefill: long prompts without head-of-line blocking
 #
 # A step has a token budget, `max_num_batched_tokens`. A decode costs one token of it, a prompt
 # as many tokens as it has. What happens to a prompt that does not fit the budget left over by
@@ -634,7 +634,7 @@ plt.show()
 # budget to admit others; our scheduler does not have that knob yet.
 
 # %% [markdown]
-# ## 6.5 Preemption: running out of KV cache
+# ## 5. Preemption: running out of KV cache
 #
 # Admission checks that a request's *prompt* fits in the KV cache, but every decode step needs a
 # new slot per sequence, and every 16 tokens a new block. If all running sequences keep growing,
@@ -731,12 +731,12 @@ plt.show()
 # notice that blocks are about to be freed and let the victim sit out one step instead.
 
 # %% [markdown]
-# ## 6.6 Policies: who goes first
+# ## 6. Policies: who goes first
 #
 # When everything fits, the order of the queue does not matter. When it does not (too few slots,
 # too small a budget, too little KV cache) someone waits, and a **policy** decides who. In the
 # package a policy is anything with a method `order(seqs, now)` that returns the unfinished
-# sequences, most important first; the scheduler does the rest (section 6.1). Four are built in
+# sequences, most important first; the scheduler does the rest (section 1). Four are built in
 # (`nanovllm/engine/policies.py`):
 #
 # | name | ranks by | per-request fields used |
@@ -880,7 +880,7 @@ plt.show()
 # one group of requests to another. Choosing a policy is choosing whose time matters more.
 
 # %% [markdown]
-# ## 6.7 Writing your own policy
+# ## 7. Writing your own policy
 #
 # A policy is a function `order(seqs, now) -> list` (or an object with such a method), passed as
 # `scheduler_policy`. Each `Sequence` carries what a policy may need: `params` (the request's
@@ -926,7 +926,7 @@ for name, r in served.items():
 # thrash. Classes can also define `on_admit(seq, now)` to keep state, as `FairPolicy` does.
 
 # %% [markdown]
-# ## 6.8 The async engine in brief
+# ## 8. The async engine in brief
 #
 # `LLM.generate` is *offline*: it takes every request up front and returns when all are done. A
 # server receives requests at any time from many connections and must stream tokens back as
@@ -1012,7 +1012,7 @@ print(assignment_table("06"))
 # for sequences (`types.SimpleNamespace` objects with just those three attributes) and compares
 # your order with a hand-worked example and, on random inputs, with a property every adjacent
 # pair must satisfy. Passed as `scheduler_policy`, such a function decides the order in which
-# the scheduler admits waiting requests (section 6.7).
+# the scheduler admits waiting requests (section 7).
 
 # %% tags=["exercise"]
 def shortest_prompt_first(seqs, now):

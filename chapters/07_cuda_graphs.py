@@ -247,8 +247,9 @@ for r in decode_record["rows"]:
 # How those microseconds divide between our own Python (validation, allocations, the split
 # choice) and Triton's launcher (one launch, or two with a merge) is a separate measurement:
 # `tests/gpu/host_breakdown.py` (the `host_breakdown` stage of `tests/gpu/h200_session.sh`)
-# times each piece alone and writes `figures/data/host_breakdown_h200.json`. Until that record
-# exists, all we can say is that the 130 µs is the whole call, not Triton's launcher alone:
+# times each piece alone and writes `figures/data/host_breakdown_h200.json`. Its rows (a separate
+# run, so the whole call's time differs a little from the table above) show that Triton's
+# launches are only part of it:
 
 # %%
 breakdown_path = figures_dir() / "data" / "host_breakdown_h200.json"
@@ -911,8 +912,8 @@ print("Exercise 2 passed: padded rows write nothing and real rows are untouched"
 #
 # - A decode step of Qwen3-0.6B is about 1,400 kernel launches with the PyTorch path, and about
 #   310 with the fused kernels of chapter 11, the same at every batch size. Each launch costs
-#   the host microseconds (PyTorch ops) to over a hundred microseconds (a Triton launch from
-#   Python), often more than the kernel runs on an H200: small decode steps are
+#   the host microseconds (PyTorch ops) to tens of microseconds (a Triton launch from Python,
+#   section 1.2's breakdown), often more than the kernel runs on an H200: small decode steps are
 #   **launch-bound**.
 # - A **CUDA graph** records the launches once and replays them with one call. It replays the
 #   recorded kernels on the recorded addresses, so inputs go through **static buffers**, host

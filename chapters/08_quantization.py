@@ -121,7 +121,7 @@ def agree(name: str, ours: torch.Tensor, ref: torch.Tensor, rtol: float) -> bool
 # $$\frac{W}{B} + n \cdot 2 L H_{kv} d\, e_{kv},$$
 #
 # with $W$ the bytes of the weights the step reads (the linear layers and the LM head; the
-# embedding table is only indexed, $B$ rows of it), $n$ the sequence's context, $L$ layers,
+# embedding table is only indexed, $B$ rows of it), $n$ the sequence's context, $N_{\text{layers}}$ layers,
 # $H_{kv}$ KV heads of dimension $d$ and $e_{kv}$ bytes per cached number. Quantization attacks
 # both terms: **weight quantization** shrinks $W$, an **fp8 KV cache** halves $e_{kv}$.
 #
@@ -172,17 +172,19 @@ for s in SHAPES:
 # close candidates changes the chosen token. For small models with large vocabularies those
 # two matrices are a big share, so the whole model shrinks by much less than half.
 #
-# Now the bound. With the H200 copy bandwidth recorded by chapter 11's benchmark and the bf16
-# matmul rate measured for this book (chapter 05), a decode step's matmuls take at least
+# Now the bound. With the H200's copy bandwidth and bf16 matmul rate (the book's one record of
+# each, as in chapter 05), a decode step's matmuls take at least
 # $\max(\text{bytes}/\text{bandwidth},\ \text{FLOPs}/\text{peak})$: two FLOPs per weight per
 # token, $2PB$ FLOPs for $P$ weights. For Qwen3-8B, whose linear layers and LM head a step
 # reads in full:
 
 # %%
 # NBVAL_CHECK_OUTPUT
-H200_BF16_FLOPS = 780e12  # measured on the H200: bf16 8192^3 matmul (2026-11-29), chapter 05
+from nanovllm.viz.records import headline
+
+H200_BF16_FLOPS = headline("h200_bf16_matmul_flops")  # bf16 8192^3 matmul
 bench_record = json.loads((DATA / "bench_h200.json").read_text())
-bandwidth = bench_record["copy_bandwidth_gb_s"] * 1e9  # recorded with the benchmark
+bandwidth = headline("h200_copy_bytes_per_s")
 cfg8 = sizes["qwen3-8b", None][0]
 head = cfg8.vocab_size * cfg8.hidden_size  # LM head weights, bf16 in every variant
 step_bytes = {q: sizes["qwen3-8b", q][1]["linear"] + 2 * head for q in (None, "int8")}
@@ -981,7 +983,8 @@ print(f"fp8 / bf16 blocks: {blocks['fp8'] / blocks['auto']:.0f}x; KV bytes per t
 #
 # Sized for a 2-core CPU: the four texts of `quant_eval.TEXTS` (131 scored positions), 8
 # generated tokens each, fp32 on the CPU on every machine (under a minute here). The
-# H200 record (section 9) repeats it in bf16 with 32 tokens.
+# H200 record (section 9) measured the same quantities in bf16 with 32 tokens, on other texts
+# (longer passages, so its perplexities are not comparable with these).
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -1035,8 +1038,8 @@ print("median layer SQNR, int8 at least 8 dB above fp8:",
 # `python -m nanovllm.benchmarks.quantization` on an H200 (Qwen3-0.6B and Qwen3-8B shapes, random weights,
 # bf16): weight bytes, KV-cache blocks at the same memory budget, the engine's decode step at
 # batch 1, 64 and 256 (context 1024, CUDA graphs), each layer's GEMM alone, and the nano-vllm
-# workload's throughput; and `python -m nanovllm.benchmarks.quant_eval` repeats section 8 on the GPU in
-# bf16. Both write JSON to `figures/data/`:
+# workload's throughput; and `python -m nanovllm.benchmarks.quant_eval` measures what section 8
+# measures on the GPU in bf16, on its own texts. Both write JSON to `figures/data/`:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -1059,10 +1062,7 @@ for name, rec in (("quant_h200.json", quant_record), ("quant_eval_h200.json", ev
         print(f"figures/data/{name}: the H200 record is not there yet (it is written by "
               f"`tests/gpu/h200_session.sh quant`); the cells below say so instead of plotting")
     else:
-        command = rec.get("command") or "python -m nanovllm.quant_eval " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in rec.get("settings", {}).items()
-            if k in ("device", "dtype", "max_tokens") and v is not None)
-        print(f"figures/data/{name}: recorded on {recorded_on(rec)}: `{command}`")
+        print(f"figures/data/{name}: recorded on {recorded_on(rec)}: `{rec['command']}`")
 
 # %% [markdown]
 # The tables, when the record is there: weight bytes and KV-cache blocks per shape, the decode
@@ -1349,9 +1349,10 @@ else:
                   f"greedy token agreement {row['greedy_token_agreement']:.3f}")
 
 # %% [markdown]
-# For int8 weight-only, on the measures of section 8, yes: perplexity moves by about 0.1% and
-# the top token changes at about one position in a hundred. "Accuracy loss" is not one number,
-# though, and the same measurements make the claim false for fp8 W8A8 on this model (over 1%
+# For int8 weight-only, on section 8's CPU measures, yes: perplexity moves by about 0.1% and
+# the top token almost never changes. The H200 rows printed above, in bf16 on longer texts, are
+# less kind (read their top-1 and greedy agreement): the claim depends on the texts and the
+# dtype it is measured with. "Accuracy loss" is not one number, though, and the same measurements make the claim false for fp8 W8A8 on this model (over 1%
 # perplexity, about 10% of top-1 choices changed). Two warnings go with any such claim: a
 # 135M-parameter model on four short texts is a small test (a larger evaluation set and a task
 # accuracy would be the next step), and our SmolLM2 reference is itself a 4-bit model in
@@ -1584,7 +1585,7 @@ print("Exercise 3 passed: int8_w8a8 is per-token x per-channel int8 with an inte
 # - **fp8 KV cache**: one static scale per layer for K and V (1.0: SmolLM2's keys and values
 #   stay far below 448), twice the blocks in the same memory, half the cache bytes per step.
 # - **Accuracy on SmolLM2** (CPU, live): int8 changes perplexity by about 0.1% and keeps the
-#   greedy runs; fp8 W8A8 costs about 12 dB per layer, 1.6% of perplexity and one top-1 token
+#   CPU's greedy runs (the H200's bf16 record on longer texts agrees less, section 10); fp8 W8A8 costs about 12 dB per layer, 1.6% of perplexity and one top-1 token
 #   in ten; the fp8 KV cache under 1% of perplexity.
 # - **The seed's claim**: "memory −50%" holds for the linear layers, not for whole models
 #   (−37% to −42% here); "accuracy loss < 1%" holds for int8 on our measures, not for fp8;

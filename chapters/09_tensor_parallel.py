@@ -428,7 +428,7 @@ same("ParallelLMHead, 3 slices concatenated", gathered, hidden @ table.T)
 #
 # A tiny random Llama (2 layers, hidden 64, 4 heads, 2 KV heads, a vocabulary of 4,096)
 # written to a folder as a checkpoint, its weights scaled so that different prompts give
-# different greedy tokens (chapter 06 uses the same recipe):
+# different greedy tokens (chapter 02 §6 and chapter 12 use the same recipe):
 
 # %%
 def make_tiny_llama(path: Path, vocab: int = 4096, seed: int = 0) -> Path:
@@ -614,7 +614,7 @@ plt.show()
 # it is the fixed cost of a gloo broadcast (two messages, the size then the bytes, through
 # the kernel's TCP stack) and of pickling, not the bytes. Through shared memory what is left
 # is mostly pickling, copying and unpickling, several times less: on the H200 machine's host
-# 1.0 to 1.3 ms over gloo against 0.09 to 0.17 ms. On a GPU a decode step of
+# a median of 1,000 to 1,300 µs per plan over gloo against 85 to 174 µs. On a GPU a decode step of
 # a small model takes one to a few milliseconds (chapter 07), so that difference is a
 # visible share of it. Only processes on one host share memory: plans to other hosts still
 # go over gloo (or, in a larger engine, a faster network).

@@ -134,7 +134,7 @@ def tiny_server(engine_options: dict | None = None, **serve_options):
 #   that must not pause while a client is slow to read).
 #
 # If the event loop ran `step()` itself, every connection would freeze during each step, and a
-# slow client would stall the GPU. Chapter 06 §6.8 introduced the answer, a **producer/consumer**
+# slow client would stall the GPU. Chapter 06 §8 introduced the answer, a **producer/consumer**
 # design: one *engine thread* owns the `LLMEngine` and loops "take what is in the inbox, step,
 # hand each request its new tokens"; producers (the HTTP handlers) `submit` into the inbox from
 # any thread; each request gets a stream its consumer reads. The engine thread sleeps when there
@@ -516,8 +516,8 @@ for run in tp["engines"]:
 # Reading these records, with some reasoning where they stop:
 #
 # - The server saturates long before the engine does: at "inf" it delivers about 3,900
-#   output tok/s, while the same engine offline runs the larger nano-vllm workload at about
-#   17,000. Its TPOT jumps from ~2 ms to ~30 ms between 16 and 64 requests/s. The server and
+#   output tok/s, while the same engine offline runs the larger nano-vllm workload several
+#   times faster (the TP=1 rows above; chapter 11 holds the current single-GPU record). Its TPOT jumps from ~2 ms to ~30 ms between 16 and 64 requests/s. The server and
 #   the engine share one Python process (one GIL): parsing requests, formatting a JSON chunk
 #   per token per stream and the event loop compete with the engine's step loop. This is
 #   why vLLM runs its API server and its engine core in separate processes.
@@ -693,7 +693,7 @@ print("Exercise 2 passed: the wait is exactly when both buckets first hold enoug
 # - The Poisson load generator measures TTFT, TPOT and goodput against the offered rate; the
 #   knee of that curve is what one replica can promise. On one H200 our server's knee is set
 #   by its single Python process, not by the GPU. Replicas scale the rate; tensor parallelism
-#   fits larger models and, measured on two H200s, raised workload throughput 1.26-1.55x
+#   fits larger models and, measured on two H200s, raised workload throughput (section 7's ratios)
 #   without shortening a decode step.
 
 # %%

@@ -220,19 +220,20 @@ print("and the recorded fraction of the bound:",
 # %% [markdown]
 # The KV reads (about 13.9 TB) dwarf the weight reads (about 1.2 TB): with 256 long requests,
 # the workload is mostly attention reading caches. At the H200's bandwidth that takes about
-# 3.6 s; the engine took 6.3 s, **57% of the bound**. Chapter 05 showed that the attention
-# kernel itself reads at nearly the copy bandwidth on large batches (section 4.1 shows it
-# again), so the other 43% is not in the kernels. Before taking the time apart, a picture of
-# where the work sits.
+# 3.6 s; the engine took 6.3 s, **57% of the bound** (this record predates today's defaults;
+# section 4.4's newer record of the same workload comes closer). Where does the rest go? Not
+# only to the host: section 4.4 finds the matmuls well above their weight reads and the decode
+# attention above its ideal time, while the GPU waits for the host less than half a second.
+# Before taking the time apart, a picture of where the work sits.
 #
 # ## 3. The roofline of the workload
 #
 # A **roofline** plots performance (FLOP/s) against arithmetic intensity (FLOPs per byte
 # moved). A computation of intensity $I$ can run at most at $\min(P, I\cdot B)$, with $P$ the
 # peak arithmetic rate and $B$ the memory bandwidth: a slanted memory roof, then a flat compute
-# roof, meeting at the *ridge* $P/B$. For the H200 we use the two measurements of the book:
-# 780 TFLOP/s for a large bf16 matrix multiply (the practical compute roof) and the copy
-# bandwidth of the run.
+# roof, meeting at the *ridge* $P/B$. For the H200 we use the rate of a large bf16 matrix
+# multiply (the practical compute roof, the book's one record of it, printed with the figure)
+# and the copy bandwidth of the run.
 #
 # We place on it the parts of the workload, with their FLOPs counted as 2 per parameter per
 # token for the matrix multiplies and $4\,H d$ per (query, key) pair per layer for attention:
@@ -246,7 +247,9 @@ print("and the recorded fraction of the bound:",
 #   speed of our engine and of transformers (on its 32-request subset), and at the bound.
 
 # %%
-H200_PEAK = 780e12  # FLOP/s, measured on the H200: bf16 8192^3 matmul (2026-11-29)
+from nanovllm.viz.records import headline
+
+H200_PEAK = headline("h200_bf16_matmul_flops")  # FLOP/s of a bf16 8192^3 matmul
 
 
 def workload_flops(prompt_lens, output_lens, cfg, params):
@@ -277,7 +280,8 @@ for name, (i, f) in points.items():
     roof = min(H200_PEAK, i * bandwidth)
     print(f"{name:38s} intensity {i:6.1f} FLOP/byte, {f / 1e12:6.2f} TFLOP/s "
           f"= roof / {roof / f:5.1f}")
-print(f"ridge point: {H200_PEAK / bandwidth:.0f} FLOP/byte")
+print(f"compute roof: {H200_PEAK / 1e12:.0f} TFLOP/s (bf16 matmul, nanovllm/viz/records.py); "
+      f"ridge point: {H200_PEAK / bandwidth:.0f} FLOP/byte")
 
 # %%
 decode_rec = load_record("bench_decode_h200.json")
@@ -787,8 +791,8 @@ plt.show()
 
 # %% [markdown]
 # For Qwen3-0.6B the decode attention is the run: 3.8 of its 6.0 seconds, at about 88% of the
-# copy bandwidth over the whole run (chapter 05's kernel benchmark reached 83-102% on fixed
-# shapes at batch 64 and more). The matmuls take 1.0 s against 0.3 s of weight reads; they
+# copy bandwidth over the whole run (chapter 05's kernel benchmark came closer on fixed shapes
+# at large batches). The matmuls take 1.0 s against 0.3 s of weight reads; they
 # include the prefill's, which are compute-bound. The sampler's softmax and arg-max over 151,936
 # logits per row take 0.2 s, and the GPU waits for the host 0.4 s. Reaching 75% of the bound
 # (5.0 s) would need a second off: a fused sampler (one pass over the logits instead of five)

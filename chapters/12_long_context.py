@@ -84,8 +84,8 @@ chapter_start = time.perf_counter()
 # ## 1. Why: angles never seen in training
 #
 # RoPE rotates channel pair $i$ of a query or key at position $m$ by the angle
-# $m\,\theta_i$, with $\theta_i = \text{base}^{-2i/d}$ (chapter 01). Pair $i$ completes a
-# turn every $\lambda_i = 2\pi/\theta_i$ positions, its **wavelength**. Fast pairs (small
+# $m\,\omega_i$, with $\omega_i = \theta^{-2i/d}$ (chapter 01). Pair $i$ completes a
+# turn every $\lambda_i = 2\pi/\omega_i$ positions, its **wavelength**. Fast pairs (small
 # $i$) turn many times within the trained length $L$: every angle they can take was seen in
 # training. Slow pairs have wavelengths longer than $L$: in training they only ever covered
 # part of a turn, and past $L$ they reach angles the model never saw. How many pairs is that
@@ -111,17 +111,17 @@ print(f"the slowest pair turns {L / wavelength[-1].item():.3f} times within {L} 
 #
 # With factor $s$ and trained length $L$:
 #
-# - **linear** (position interpolation): $\theta_i / s$ for every pair. Simple, but nearby
+# - **linear** (position interpolation): $\omega_i / s$ for every pair. Simple, but nearby
 #   positions become $s$ times harder to tell apart.
 # - **llama3**: fast pairs (wavelength $< L/4$) kept, slow ones (wavelength $> L$) divided
 #   by $s$, a smooth blend in between (chapter 11 §6).
 # - **dynamic NTK** ("NTK-aware"): keep the formula, raise the *base*. For a sequence of
-#   $n > L$ tokens, $\text{base}' = \text{base}\,\big(s\,n/L - (s-1)\big)^{d/(d-2)}$: the
+#   $n > L$ tokens, $\theta' = \theta\,\big(s\,n/L - (s-1)\big)^{d/(d-2)}$: the
 #   slowest pair is slowed by exactly $s\,n/L - (s-1)$ while the fastest does not move. It depends on
 #   $n$, which is where section 3's trouble comes from.
 # - **YaRN** ("NTK-by-parts" plus a temperature): a pair that turns more than
-#   $\beta_\text{fast} = 32$ times within $L$ keeps $\theta_i$; one that turns fewer than
-#   $\beta_\text{slow} = 1$ times gets $\theta_i/s$; a linear ramp over the pair index in
+#   $\beta_\text{fast} = 32$ times within $L$ keeps $\omega_i$; one that turns fewer than
+#   $\beta_\text{slow} = 1$ times gets $\omega_i/s$; a linear ramp over the pair index in
 #   between. And cos/sin are multiplied by an **attention factor** $0.1 \ln s + 1$, so every
 #   attention logit grows by its square: longer contexts spread the softmax thinner, and the
 #   YaRN paper's fit sharpens it back.
@@ -239,8 +239,8 @@ plt.show()
 # Dynamic NTK recomputes the frequencies from the current length $n$. `transformers` does
 # that on every forward call, from the largest position in the call. A serving engine cannot:
 # each key was rotated **once**, when its token was processed, and sits rotated in the paged
-# KV cache. If step 1 (prefill, $n_1$ tokens) rotated the keys with $\text{base}(n_1)$ and a
-# later decode step rotates its query with $\text{base}(n_2)$, the score
+# KV cache. If step 1 (prefill, $n_1$ tokens) rotated the keys with $\theta(n_1)$ and a
+# later decode step rotates its query with $\theta(n_2)$, the score
 # $q_m \cdot k_j$ no longer depends only on $m - j$: the query and the key turn at different
 # speeds. Re-rotating the whole cache every step would cost a pass over it per token.
 #
@@ -382,9 +382,11 @@ print(f"no scaling past L vs before L: {plain[2] / plain[1] - 1:+.1%} "
 # %% [markdown]
 # What this record says, and what it does not:
 #
-# - Every scaling pays something **inside** the trained length, where the model was trained
-#   with the plain frequencies. Linear, which also slows the fast pairs, pays by far the most;
-#   YaRN, which keeps them, the least; dynamic NTK fixed at $2L$ lies between.
+# - Inside the trained length, where the model was trained with the plain frequencies, what a
+#   scaling costs depends on the range (the middle table): YaRN, which keeps the fast pairs,
+#   stays closest to plain RoPE; linear, which also slows them, moves furthest from it, and
+#   not always for the worse: in this record it does better than plain RoPE in part of the
+#   trained range. Read the table, not a rule.
 # - Past $L$, plain RoPE breaks down: read the last line above, the perplexity of the
 #   unscaled model past $L$ against the second half of the trained range (a passage every
 #   variant finds easy). Dynamic NTK and YaRN keep it far lower past $L$ (the middle table's
@@ -785,7 +787,7 @@ print(assignment_table("12"))
 # beta_fast=32, beta_slow=1)`: YaRN's $d/2$ inverse frequencies as float64 (section 2): the
 # pair index where a pair turns `beta_fast` times within `trained` positions (rounded down)
 # and where it turns `beta_slow` times (rounded up), clamped to $[0, d-1]$; a linear ramp
-# between them from 0 to 1; $\theta_i$ kept where the ramp is 0, $\theta_i/s$ where it is 1,
+# between them from 0 to 1; $\omega_i$ kept where the ramp is 0, $\omega_i/s$ where it is 1,
 # blended in between. The check compares with `transformers`.
 
 # %% tags=["exercise"]
@@ -914,8 +916,8 @@ print("Exercise 3 passed: blocks_outside_window counts the freeable blocks")
 #   sequence: consistent, equal to `transformers` at that length, different below it.
 # - **Perplexity by position** (section 4, the record's tables) measures what scaling costs
 #   inside the trained length and what it buys past it, on the shipped text. In the H200
-#   record (to $1.88L$) SmolLM2 without scaling beat every scaling inside $L$ and broke down
-#   past it, where YaRN and dynamic NTK kept the perplexity far lower and linear did not help.
+#   record (to $1.88L$) no scaling won everywhere inside $L$ (the middle table), and SmolLM2
+#   without scaling broke down past it, where YaRN and dynamic NTK kept the perplexity far lower and linear did not help.
 # - **Sliding windows** (Mistral) bound the keys each query reads; the window is an optional
 #   argument of the attention layer, the torch backend and both Triton kernels (compiled
 #   unchanged without it). The blocks the window has passed go back to the pool each step

@@ -1,5 +1,5 @@
 """The package's import graph, read from the source with ``ast``: no cycles, and the layers of
-DESIGN.md §2 point one way (tools -> serve -> the ``LLM`` front door -> engine -> models ->
+the package point one way (tools -> serve -> the ``LLM`` front door -> engine -> models ->
 layers -> kernels -> leaves).
 
 What counts as an edge: every ``import`` statement of a nanovllm module, wherever it stands —
@@ -25,7 +25,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "nanovllm"
 
-# DESIGN.md §2, top to bottom. A part (a subpackage, or a module directly under nanovllm/;
+# The package's layers, top to bottom. A part (a subpackage, or a module directly under nanovllm/;
 # "__init__" is nanovllm/__init__.py) may import parts of its own layer or of the layers below it.
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("tools", frozenset({"benchmarks", "bench", "course", "demo", "evaluate", "viz"})),
@@ -161,7 +161,7 @@ def test_no_import_cycle_between_parts() -> None:
 def test_every_part_has_a_layer() -> None:
     placed = set().union(*(parts for _, parts in LAYERS))
     missing = sorted({part(m) for m in module_names()} - placed)
-    assert not missing, f"place {missing} in a layer of LAYERS (DESIGN.md §2)"
+    assert not missing, f"place {missing} in a layer of LAYERS"
 
 
 @pytest.mark.parametrize("layer", [name for name, _ in LAYERS])

@@ -18,4 +18,6 @@ Entry points, ``python -m nanovllm.benchmarks.<name>``:
 - ``tensor_parallel``: all-reduce, parity and throughput by tensor-parallel size (chapter 09);
 - ``serve``: a load generator for the OpenAI-compatible server (chapter 10);
 - ``long_context``: perplexity by position past the trained length (chapter 12).
+- ``peaks``: the device's copy bandwidth and bf16 matmul rate, the roofs every bound divides
+  by (chapters 02, 05, 08, 11; read through ``nanovllm.viz.records``).
 """

@@ -8,7 +8,7 @@ k_cache, v_cache, meta, scale)``, on the same paged cache (blocks shuffled over 
 Qwen3-0.6B's attention shape (16 query heads over 8 KV heads, head_dim 128), bf16:
 
 - prefill: one prompt of 1k..8k tokens, causal, no cached prefix; FLOPs counted as in
-  ``kernels/bench_prefill.py``: ``4 * head_dim * heads * L (L + 1) / 2`` (masked work not
+  ``benchmarks/prefill_kernel.py``: ``4 * head_dim * heads * L (L + 1) / 2`` (masked work not
   counted), TFLOP/s = FLOPs / device time;
 - decode: batch 1..256 at context 1k and 4k; bytes = K and V read + q + out, TB/s = bytes /
   device time, beside the measured copy bandwidth;

@@ -74,7 +74,7 @@ def check_refcounts(bm: BlockManager, holders: Iterable[Sequence]) -> list[str]:
     """Problems with the reference counts of ``bm``'s blocks, given every sequence that may
     hold blocks (``holders``); an empty list when the counts are right.
 
-    Handout (chapter 13 §2, the leak check). Count, for each block id, the holders whose
+    Handout (chapter 13 §1, the leak check). Count, for each block id, the holders whose
     ``seq.block_table`` contains it (a block twice in one table is a problem of its own:
     report it and count it once per occurrence). Then for every block of ``bm.blocks``
     compare ``block.ref_count`` with that count, and report each mismatch as one string

@@ -1,4 +1,4 @@
-"""Giving back the KV blocks a sliding window has passed (chapter 12 §4; blocks: chapter 04).
+"""Giving back the KV blocks a sliding window has passed (chapter 12 §5; blocks: chapter 04).
 
 With a sliding window of ``W`` keys (Mistral), query ``q`` sees key ``k`` only when
 ``q - W < k <= q`` (transformers' convention, ``torch_attention.sliding_window_mask``). A

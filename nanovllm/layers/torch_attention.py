@@ -160,7 +160,7 @@ def sliding_window_mask(
 ) -> torch.Tensor:
     """Which keys each query may see under causal attention with a sliding window.
 
-    Handout (chapter 12 §4, assignment ``12.sliding_window``): the ``num_queries`` queries are
+    Handout (chapter 12 §5, assignment ``12.sliding_window``): the ``num_queries`` queries are
     the *last* ones of the ``num_keys`` positions (as in ``causal_attention``), so query i sits
     at position ``p = num_keys - num_queries + i``. Return a boolean ``[num_queries,
     num_keys]`` tensor on ``device``, True where query i may attend to key j: ``j <= p``

@@ -1,4 +1,4 @@
-"""Mistral: the Llama decoder with sliding-window attention (chapter 12 §4).
+"""Mistral: the Llama decoder with sliding-window attention (chapter 12 §5).
 
 Every query attends to its last ``sliding_window`` keys only (``config.json``'s
 ``sliding_window``; ``null`` in Mistral v0.2 and later, which then is plain Llama). The window

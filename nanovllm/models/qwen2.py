@@ -1,5 +1,5 @@
 """Qwen2 and Qwen2.5: the Llama decoder with a bias on the query, key and value projections
-(not on the output projection). Chapter 12 §5 adds it step by step.
+(not on the output projection). Chapter 12 §6 adds it step by step.
 
 Qwen2's ``config.json`` has no ``attention_bias`` field: the bias is part of the architecture,
 so the class sets it. Its checkpoints name tensors as Llama's do (``q_proj.bias`` included), so

@@ -1,4 +1,4 @@
-"""``show_source``: how every chapter shows the package's own code (DESIGN.md §5).
+"""``show_source``: how every chapter shows the package's own code.
 
 A chapter builds a component small, then prints the package's version with this helper and
 proves the two agree; the package stays the only home of engine code.

@@ -8,7 +8,7 @@
 # Usage (repo root, on the GPU machine): OUT=/some/dir bash tests/gpu/tp_scaling.sh
 set -u
 OUT=${OUT:-/tmp/nanovllm-tp}; mkdir -p "$OUT"
-# NVLink multicast stays off (it is not available on every machine; DESIGN.md §7).
+# NVLink multicast stays off (it is not available on every machine).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 gpus=$(nvidia-smi -L | wc -l)
