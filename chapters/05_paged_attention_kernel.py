@@ -803,9 +803,13 @@ print(f"batch 1: ours takes {min(r['ratio'] for r in single):.2f}-"
 # ## Assignments
 #
 # In the course edition of this book (`make student`; see `chapters/INSTRUCTORS.md`) you write
-# these parts of the package yourself: the merge of split-KV partials, as a Triton kernel (the
-# tests run it under the Triton interpreter, so no GPU is needed), and the rule that picks the
-# number of splits. Each function's docstring is the handout; the project's tests grade your code
+# the two Triton kernels of the decode path yourself: the loop at the heart of
+# `_decode_split_kernel`, which walks a sequence's block table, loads its K/V tiles and runs the
+# online softmax (`05.decode_kernel`, sections 4-7), and the merge of the split-KV partials
+# (`05.combine_splits`, section 6). The tests run both under the Triton interpreter, so no GPU
+# is needed: small random cases (GQA groups, partial last blocks, one key, empty rows, several
+# splits, a sliding window, fp16 and fp8 caches) against a float32 PyTorch reference. Each
+# function's docstring is the handout; the project's tests grade your code
 # (`make grade STUDENT=<your folder>`), and once they pass this notebook runs on your own engine.
 
 # %%
@@ -813,6 +817,40 @@ print(f"batch 1: ours takes {min(r['ratio'] for r in single):.2f}-"
 from nanovllm.course import assignment_table
 
 print(assignment_table("05"))
+
+# %% [markdown]
+# ### Hints, one rung at a time
+#
+# Read a hint only when stuck, and only the next one.
+#
+# **`05.decode_kernel`** (the loop of `_decode_split_kernel`)
+#
+# 1. It is `attend_paged_group` of section 5, stopped before the final division, with two
+#    changes: the program walks *tokens* in tiles of `BLOCK_N` rather than whole blocks (a
+#    tile may straddle two blocks, and `start` may sit mid-block), and the scores are in base 2.
+# 2. For a tile of keys `t = tile_start + tl.arange(0, BLOCK_N)`, every quantity is a vector
+#    over the tile: the block-table entry `t // PAGE` (one load of `BLOCK_N` entries), the row
+#    `t % PAGE`, and so a `[BLOCK_N, D_PAD]` tile of pointers. Everything past `end` or past
+#    `HEAD_DIM` is masked in every load: a masked load reads nothing, however wrong its address.
+# 3. Keys past `end` in the last tile still get a score from `tl.dot` (their K rows loaded as
+#    zeros): set those scores to `-inf` before the max, so `2^(s - m)` gives them weight 0.
+#    Every tile holds at least one valid key, so the new maximum is finite.
+# 4. The update of one tile, with `s` of shape `[GROUP_PAD, BLOCK_N]`: `m_new = max(m_i,
+#    rowmax(s))`, `alpha = 2^(m_i - m_new)`, `p = 2^(s - m_new)`, `l_i = alpha l_i +
+#    rowsum(p)`, `acc = alpha acc + p V`. Initialise `m_i` to `-inf` and the others to zero:
+#    an empty range then leaves exactly what the code after the loop expects.
+# 5. Dtypes: `q` is already in the dots' dtype; convert the K/V tiles right after loading
+#    (`FP8_KV`: to `q_ptr.dtype.element_ty`; `DOT_FP32`: to fp32), cast `p` to V's dtype for the
+#    second dot, and widen the block ids with `.to(tl.int64)` before multiplying by a stride.
+#
+# **`05.combine_splits`** (`_combine_splits_kernel`)
+#
+# 1. It is `merge_partials` of section 6 for one `(sequence, head)`, in base 2.
+# 2. Load all splits at once: `tl.arange(0, SPLITS_PAD)` with the mask `s < num_splits`
+#    (`other=-inf` for `m`, `0` for `l` and `acc`); then `tl.max`, `tl.exp2` and
+#    `tl.sum(x, 0)`.
+# 3. A padded CUDA-graph row has every `m_s = -inf`: `2^(-inf - (-inf))` is NaN, so replace an
+#    all-`-inf` maximum by 0 (`tl.where`) and divide by 1 where the sum of weights is 0.
 
 # %% [markdown]
 # ## Exercises

@@ -797,16 +797,42 @@ else:
 # ## Assignments
 #
 # In the course edition of this book (`make student`; see `chapters/INSTRUCTORS.md`) you write
-# these parts of the package yourself: which batch sizes get a graph, and how a batch is copied
-# and padded into the static buffers. Each function's docstring is the handout; the project's
-# tests grade your code (`make grade STUDENT=<your folder>`), and once they pass this notebook
-# runs on your own engine.
+# the replay side of the decode graphs yourself: `StaticInputs.fill` (`07.graphs`, sections 3
+# and 3.1), which picks the bucket whose graph will replay a batch, copies the batch into the
+# buffers that graph reads, and pads the rest of the bucket so that the padded rows store
+# nothing and attend to nothing, whatever an earlier batch left there. The tests run on a CPU:
+# they check the bucket choice, the copies, and a replay in which a stand-in for each graph
+# reruns the recorded step on the buffers it was captured with. The function's docstring is
+# the handout; the project's tests grade your code (`make grade STUDENT=<your folder>`), and
+# once they pass this notebook runs on your own engine.
 
 # %%
 # NBVAL_CHECK_OUTPUT
 from nanovllm.course import assignment_table
 
 print(assignment_table("07"))
+
+# %% [markdown]
+# ### Hints, one rung at a time
+#
+# Read a hint only when stuck, and only the next one.
+#
+# **`07.graphs`** (`StaticInputs.fill`)
+#
+# 1. A captured graph remembers addresses, not Python objects: the graph of bucket `bs` reads
+#    rows `:bs` of the tensors that existed at capture. So everything you do is an in-place
+#    copy into slices of those tensors; a new tensor assigned to `self.slot_mapping` would
+#    never be seen by any graph.
+# 2. Three groups of rows: `:n` (the batch), `n:bs` (padding, replayed with the batch), and
+#    `bs:` (not part of this replay). Only the second needs thought: which two fields decide
+#    whether a row writes to the cache and whether it reads from it? Section 3.1 shows a
+#    padded row going through the real kernels.
+# 3. The buffers start clean, so a test with a single batch proves little: think of a batch of
+#    3 after a batch of 13 (bucket 16), and what rows 3 of bucket 4 still hold. Its stale slot
+#    would overwrite another sequence's key; its stale length would make it read blocks.
+# 4. The bucket is the first of the ascending `self.buckets` that is `>= n`; check the batch
+#    fits in the largest before looking. The block table may be narrower than the buffer:
+#    copy it into the first `width` columns.
 
 # %% [markdown]
 # ## Exercises

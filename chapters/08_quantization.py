@@ -1371,17 +1371,40 @@ print(f"chapter run time so far: {time.perf_counter() - chapter_start:.0f} s")
 #
 # In the course edition of this book (`make student`; see `chapters/INSTRUCTORS.md`) you write
 # these parts of the package yourself: the per-output-channel int8 scales and rounding
-# (section 2), the W8A16 dequantize-and-multiply of the torch path (section 3), and the
-# per-row e4m3 quantization that fp8 W8A8 applies to every token (section 5.2). Each
-# function's docstring is the handout; the project's tests grade your code
-# (`make grade STUDENT=<your folder>`), and once they pass this notebook runs on your own
-# engine.
+# (`08.channel_scales`, section 2) and the per-row e4m3 quantization that fp8 W8A8 applies to
+# every token (`08.token_scales`, section 5.2). Each function's docstring is the handout; the
+# project's tests grade your code (`make grade STUDENT=<your folder>`), and once they pass this
+# notebook runs on your own engine.
 
 # %%
 # NBVAL_CHECK_OUTPUT
 from nanovllm.course import assignment_table
 
 print(assignment_table("08"))
+
+# %% [markdown]
+# ### Hints, one rung at a time
+#
+# Read a hint only when stuck, and only the next one.
+#
+# **`08.channel_scales`** (`quantize_int8`)
+#
+# 1. Section 2 builds exactly this by hand: one scale per row, from the row's largest
+#    magnitude, so that value lands on code 127.
+# 2. `row_scales`, just above the function, already computes the scales (with the clamp that
+#    keeps a row of zeros from dividing by zero). What is left is the division and the rounding.
+# 3. Work in float32 whatever the weight's dtype: a bf16 division would round the quotient to 8
+#    bits before `torch.round` sees it.
+# 4. Clamp to -127..127 *before* `.to(torch.int8)`: the cast does not saturate, so a quotient
+#    out of range (float rounding can push one past 127) would not become 127.
+#
+# **`08.token_scales`** (`quantize_fp8`)
+#
+# 1. Same shape as `quantize_int8`, with 448 (`FP8_MAX`) in place of 127: `row_scales` again.
+# 2. No `torch.round`: e4m3 is a floating-point format, and the cast to `FP8_DTYPE` itself
+#    rounds to the nearest representable value.
+# 3. Clamp to ±`FP8_MAX` in float32 before the cast: `max|x| / s` can round a hair above 448,
+#    and depending on the torch build an out-of-range cast saturates or gives NaN.
 
 # %% [markdown]
 # ## Exercises

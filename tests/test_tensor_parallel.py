@@ -100,7 +100,7 @@ def test_dummy_weights_are_the_same_model_at_every_size(tiny):
     assert tokens(tiny, tensor_parallel_size=2, **options) == tokens(tiny, **options)
 
 
-@pytest.mark.assignment(*TP, "08.channel_scales", "08.int8_linear")
+@pytest.mark.assignment(*TP, "08.channel_scales")
 def test_int8_quantization_under_tp(tiny):
     """Scales are per output channel of each shard: column-parallel shards keep TP=1's
     scales exactly, row-parallel shards get their own (a slice's maximum), so the tokens

@@ -19,17 +19,14 @@ from nanovllm.context import AttentionMetadata, attention_metadata
 def batch_buckets(max_batch: int) -> list[int]:
     """Powers of two up to 8, then multiples of 16: padding wastes at most ~15 rows.
 
-    Handout (chapter 07 §3, assignment ``07.buckets``): return the batch sizes to capture a
-    graph for, ascending, for a batch of at most ``max_batch`` >= 1 sequences: 1, 2, 4, 8 (those
-    below ``max_batch``), then 16, 32, 48, ... up to the first multiple of 16 that holds
-    ``max_batch``; for ``max_batch <= 8``, the powers of two below it, then ``max_batch``
-    itself. So the largest bucket always holds ``max_batch``: ``batch_buckets(6) == [1, 2, 4,
-    6]``, ``batch_buckets(40) == [1, 2, 4, 8, 16, 32, 48]``.
+    The batch sizes to capture a graph for, ascending, for at most ``max_batch`` >= 1
+    sequences: 1, 2, 4, 8 (those below ``max_batch``), then 16, 32, 48, ... up to the first
+    multiple of 16 that holds ``max_batch``; for ``max_batch <= 8``, the powers of two below
+    it, then ``max_batch`` itself. So the largest bucket always holds ``max_batch``:
+    ``batch_buckets(6) == [1, 2, 4, 6]``, ``batch_buckets(40) == [1, 2, 4, 8, 16, 32, 48]``.
     """
-    # >>> assignment 07.buckets (3 points)
     small = [b for b in (1, 2, 4, 8) if b < max_batch]
     return small + list(range(16, max_batch + 16, 16)) if max_batch > 8 else small + [max_batch]
-    # <<< assignment 07.buckets
 
 
 class StaticInputs:
@@ -55,18 +52,30 @@ class StaticInputs:
     ) -> int:
         """Copy one decode batch into the buffers, pad it to its bucket; return the bucket.
 
-        Handout (chapter 07 §3.1, assignment ``07.pad``): the batch has ``n =
-        len(input_ids)`` decode rows (``n <= self.buckets[-1]``); choose the smallest bucket
-        ``bs >= n``. Rows ``:n`` of ``self.input_ids``, ``self.positions``,
-        ``self.slot_mapping`` and ``self.seq_lens`` get ``input_ids``, ``positions``,
-        ``meta.slot_mapping`` and ``meta.seq_lens_k``; the first ``meta.block_tables.shape[1]``
-        columns of ``self.block_tables[:n]`` get ``meta.block_tables``. Padding rows ``n:bs``
-        must be harmless whatever an earlier, larger batch left there: slot -1 (store nothing)
-        and sequence length 0 (attend to nothing). Their token ids, positions and block tables
-        may keep stale values: nothing reads them once the length is 0.
+        Handout (chapter 07 §3-§3.1, assignment ``07.graphs``): the replay side of a captured
+        decode step. The graph of bucket ``bs`` was recorded reading rows ``:bs`` of every
+        buffer here (``DecodeGraphs._metadata``), and ``DecodeGraphs.run`` replays the graph of
+        the bucket this returns. The batch has ``n = len(input_ids)`` decode rows, one token
+        each: ``input_ids``, ``positions`` (int64 ``[n]``) and ``meta`` (``slot_mapping``
+        ``[n]``, ``seq_lens_k`` int32 ``[n]``, ``block_tables`` int32 ``[n, width]`` with
+        ``width <= max_blocks``, padded with -1).
+
+        - Return the smallest bucket ``bs >= n`` of ``self.buckets`` (ascending). ``n`` above
+          the largest bucket raises ``ValueError`` (callers ask ``DecodeGraphs.can_run``).
+        - Rows ``:n``: ``self.input_ids``, ``self.positions``, ``self.slot_mapping`` and
+          ``self.seq_lens`` hold the batch's values; ``self.block_tables[:n, :width]`` holds
+          ``meta.block_tables`` (the columns past ``width`` may keep stale values: a kernel
+          reads only the ``ceil(seq_len / block_size)`` columns a sequence needs).
+        - Padding rows ``n:bs`` must be harmless whatever an earlier, larger batch left in
+          them: they write no key (slot -1) and attend to no key (sequence length 0). Their
+          token ids, positions and block tables may stay stale: nothing reads them then.
+        - Rows past ``bs`` are left as they are (the graph of ``bs`` never reads them); copy
+          in place, never rebind a buffer (the graphs hold their addresses).
         """
-        # >>> assignment 07.pad (5 points)
+        # >>> assignment 07.graphs (8 points)
         n = input_ids.shape[0]
+        if n > self.buckets[-1]:
+            raise ValueError(f"a batch of {n} exceeds the largest graph bucket, {self.buckets[-1]}")
         bs = next(b for b in self.buckets if b >= n)
         self.input_ids[:n] = input_ids
         self.positions[:n] = positions
@@ -77,7 +86,7 @@ class StaticInputs:
         width = meta.block_tables.shape[1]
         self.block_tables[:n, :width] = meta.block_tables
         return bs
-        # <<< assignment 07.pad
+        # <<< assignment 07.graphs
 
 
 class DecodeGraphs:

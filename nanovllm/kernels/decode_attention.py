@@ -108,6 +108,35 @@ def _decode_split_kernel(
     PRECISION: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
 ):
+    """Paged decode attention of one (sequence, KV head, split): its queries over its keys.
+
+    Handout (chapter 05 §4-§7, assignment ``05.decode_kernel``): the loop that walks this
+    program's keys through the block table and folds them into an online softmax. The code
+    before it is given and leaves ``q``, the ``[GROUP_PAD, D_PAD]`` tile of the ``GROUP`` query
+    heads that share KV head ``kv_head`` (rows ``>= GROUP`` and columns ``>= HEAD_DIM`` are
+    zero), already in the dtype the dots use, and the key range ``[start, end)`` of this split
+    (empty when ``start >= end``; ``start`` is not always a multiple of ``BLOCK_N`` or
+    ``PAGE``: a sliding window starts it at ``seq_len - window``). The code after it reads
+    three fp32 tensors that you leave, over the keys ``t`` of the range, with base-2 scores
+    ``s_t = (q . k_t) * qk_scale`` (``qk_scale`` holds the softmax scale times ``log2(e)``):
+
+    - ``m_i`` ``[GROUP_PAD]``: ``max_t s_t``, or ``-inf`` for an empty range;
+    - ``l_i`` ``[GROUP_PAD]``: ``sum_t 2^(s_t - m_i)``, 0 for an empty range;
+    - ``acc`` ``[GROUP_PAD, D_PAD]``: ``sum_t 2^(s_t - m_i) v_t``, zeros for an empty range.
+
+    Key ``t`` of sequence ``b`` lives in cache block ``blk = block_tables_ptr[b * stride_bt +
+    t // PAGE]``, row ``t % PAGE``; for this KV head its element ``d`` (``d < HEAD_DIM``) is at
+    ``k_cache_ptr + blk * stride_kb + row * stride_kt + kv_head * stride_kh + d`` (V: the same
+    with the ``stride_v*``). Contract: read no block-table entry and no cache row outside
+    ``[start, end)`` (table padding is ``-1``; other rows hold anything, NaN included); read
+    each key's K and V once for the whole group, in tiles of ``BLOCK_N`` keys (``tl.dot`` on
+    ``[GROUP_PAD, D_PAD] x [D_PAD, BLOCK_N]``); compute addresses in int64 (block id times
+    stride overflows int32 on a large cache). Dtypes: the tiles load in the cache's dtype;
+    with ``FP8_KV`` widen them to ``q_ptr``'s element type right after loading; with
+    ``DOT_FP32`` cast them to fp32; every ``tl.dot`` takes ``input_precision=PRECISION``; the
+    softmax weights go into the second dot in V's dtype (fp32 accumulation, as in
+    flash-attention). Hints: the chapter's "Assignments" section.
+    """
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -140,6 +169,7 @@ def _decode_split_kernel(
     elif not FP8_KV:
         q = q.to(k_cache_ptr.dtype.element_ty)
 
+    # >>> assignment 05.decode_kernel (12 points)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
@@ -186,6 +216,7 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
+    # <<< assignment 05.decode_kernel
 
     # An fp8 cache's V holds V / v_scale. v_scale is one constant for every key, so it factors
     # out of sum_t p_t * v_t: one multiply per output element here instead of one per loaded V

@@ -56,9 +56,8 @@ def _combine_splits_kernel(
     ``d < D_PAD``, all fp32. Store the merged row ``sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M)
     l_s`` with ``M = max_s m_s`` at ``out_ptr + b * stride_ob + h * stride_oh + d`` for
     ``d < HEAD_DIM``, cast to the output's dtype. A row whose splits all saw no key (a padded
-    CUDA-graph row) must get zeros, not NaN. Hint: load all splits at once with
-    ``tl.arange(0, SPLITS_PAD)`` and a mask (``other=-inf`` for m, ``0`` for l and acc);
-    ``tl.exp2``, ``tl.max``, ``tl.sum(x, 0)`` and ``tl.where`` are all you need.
+    CUDA-graph row) must get zeros, not NaN. ``SPLITS_PAD`` is ``num_splits`` rounded up to a
+    power of two. Hints: the chapter's "Assignments" section.
     """
     # >>> assignment 05.combine_splits (7 points)
     b = tl.program_id(0)
@@ -103,18 +102,13 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: 
     SM holds several and memory latency is hidden, but give no split fewer than
     ``MIN_SPLIT_TOKENS`` of the ``max_seq_len`` keys and make at most ``MAX_SPLITS``.
     On an H200 (132 SMs), 8 KV heads: batch >= 33 -> 1; batch 16 -> 5; batch 1 at 4096 keys -> 32.
-
-    Handout (chapter 05 §6, assignment ``05.num_splits``): return that rule as an int >= 1,
-    from the four arguments and the module's four constants only (no device query: the call
-    must be capturable in a CUDA graph). ``programs`` below 1 counts as 1.
+    Shapes only, no device query: the call must be capturable in a CUDA graph (chapter 05 §6).
     """
-    # >>> assignment 05.num_splits (3 points)
     programs = batch * num_kv_heads
     if programs >= FULL_PROGRAMS_PER_SM * num_sms:
         return 1
     wanted = math.ceil(TARGET_PROGRAMS_PER_SM * num_sms / max(programs, 1))
     return max(1, min(wanted, max_seq_len // MIN_SPLIT_TOKENS, MAX_SPLITS))
-    # <<< assignment 05.num_splits
 
 
 def split_partials(out: torch.Tensor, num_splits: int, d_pad: int) -> tuple:

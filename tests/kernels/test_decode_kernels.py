@@ -119,7 +119,7 @@ SHAPES = {
 # ----------------------------------------------------------------------------- decode
 
 
-@pytest.mark.assignment("05.combine_splits", "05.num_splits")
+@pytest.mark.assignment("05.decode_kernel", "05.combine_splits")
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_decode_matches_reference_fp32_all_splits(name, nan_poisoned_empty):
     num_heads, num_kv_heads, head_dim, block_size, lens = SHAPES[name]
@@ -142,7 +142,7 @@ def test_decode_matches_reference_fp32_all_splits(name, nan_poisoned_empty):
         torch.testing.assert_close(out, outs[1], rtol=1e-5, atol=1e-6, msg=str(num_splits))
 
 
-@pytest.mark.assignment("05.combine_splits")
+@pytest.mark.assignment("05.decode_kernel", "05.combine_splits")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("name", ["group3-smollm2", "group2-qwen3-block256"])
 def test_decode_half_precision(name, dtype, nan_poisoned_empty):
@@ -160,7 +160,7 @@ def test_decode_half_precision(name, dtype, nan_poisoned_empty):
         assert rel_err(out, ref) < TOLERANCE[dtype], (num_splits, rel_err(out, ref))
 
 
-@pytest.mark.assignment("05.combine_splits")
+@pytest.mark.assignment("05.decode_kernel", "05.combine_splits")
 def test_decode_zero_length_rows_give_zeros():
     """A CUDA-graph batch padded with seq_len 0 rows must not produce NaN."""
     gen = torch.Generator().manual_seed(3)
@@ -204,7 +204,6 @@ def test_decode_launch_override_changes_only_the_rounding():
         decode_attention(q, k_cache, v_cache, seq_lens, tables, 1.0, launch=(48, 4, 1))
 
 
-@pytest.mark.assignment("05.num_splits")
 def test_choose_num_splits_rule():
     # Enough sequences x KV heads for 2 programs per SM: no split.
     assert choose_num_splits(batch=64, num_kv_heads=8, max_seq_len=4096, num_sms=132) == 1
@@ -265,7 +264,7 @@ def test_store_kv_casts_to_cache_dtype():
                                    src.bfloat16().float().cpu(), rtol=ulp, atol=0.0)
 
 
-@pytest.mark.assignment("05.combine_splits")
+@pytest.mark.assignment("05.decode_kernel", "05.combine_splits")
 def test_store_then_decode_end_to_end():
     """Prefill 37 tokens' K/V through store_kv into scattered blocks, then decode token 38."""
     gen = torch.Generator().manual_seed(21)

@@ -37,7 +37,9 @@ def tiny_llama(tmp_path_factory):
 
 
 @needs_kernels
-@pytest.mark.assignment(*ENGINE, "05.combine_splits", "05.num_splits")
+# Every decode step of these short sequences takes one split (choose_num_splits: fewer than
+# 128 keys in the table), so the merge kernel (05.combine_splits) is not reached.
+@pytest.mark.assignment(*ENGINE, "05.decode_kernel")
 def test_triton_backend_matches_torch_backend(tiny_llama):
     gen = torch.Generator().manual_seed(0)
     shared = torch.randint(0, 256, (40,), generator=gen).tolist()

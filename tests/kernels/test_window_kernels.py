@@ -105,7 +105,7 @@ def test_cases_in_fresh_process():
 
 
 @in_process
-@pytest.mark.assignment(*MISTRAL_ENGINE, "05.num_splits")  # the triton decode path
+@pytest.mark.assignment(*MISTRAL_ENGINE, "05.decode_kernel")  # one split: no merge kernel
 def test_engine_triton_backend_with_a_window_matches_torch(tmp_path):
     """Mistral's window through the attention layer and the triton backend (mixed steps)."""
     from nanovllm import LLM, SamplingParams

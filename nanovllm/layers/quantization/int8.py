@@ -92,16 +92,12 @@ def dequantize_linear(
 ) -> torch.Tensor:
     """The reference: widen the codes to ``x``'s dtype, apply the scales, multiply.
 
-    Handout (chapter 08 §3, assignment ``08.int8_linear``): the torch path of W8A16 (CPU, and
-    the fallback). ``x`` is ``[rows, in]`` in fp32, bf16 or fp16; ``weight`` int8 codes
-    ``[out, in]``; ``scale`` float32 ``[out]``, one per output channel; ``bias`` ``[out]`` in
-    ``x``'s dtype, or None. Return ``x @ (weight * scale[:, None]).T (+ bias)``, ``[rows,
-    out]`` in ``x``'s dtype. Hint: dequantize in float32 (each code times its row's scale),
-    cast the weight once to ``x``'s dtype, then one ``F.linear``. Scaling the codes in bf16
-    would round every scale product to 8 bits for no reason; widening is exact (|code| <=
-    127 fits every float type).
+    The torch path of W8A16 (CPU, and the fallback). ``x`` is ``[rows, in]`` in fp32, bf16 or
+    fp16; ``weight`` int8 codes ``[out, in]``; ``scale`` float32 ``[out]``, one per output
+    channel; ``bias`` ``[out]`` in ``x``'s dtype, or None. Returns ``x @ (weight * scale[:,
+    None]).T (+ bias)``, ``[rows, out]`` in ``x``'s dtype. The codes are scaled in float32 and
+    the weight cast once: scaling them in bf16 would round every product to 8 bits for no
+    reason, while widening is exact (|code| <= 127 fits every float type).
     """
-    # >>> assignment 08.int8_linear (3 points)
     w = (weight.to(torch.float32) * scale.float()[:, None]).to(x.dtype)
     return F.linear(x, w, bias)
-    # <<< assignment 08.int8_linear

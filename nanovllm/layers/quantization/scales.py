@@ -42,9 +42,7 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ``MIN_AMAX`` first), and ``codes[r, c] = w[r, c] / scale[r]`` rounded to the nearest
     integer, kept within -127..127, as ``torch.int8``. So each row's largest magnitude gets
     the code +-127, 0.0 stays exactly 0, and ``codes * scale[:, None]`` is within half a
-    step (``scale / 2``) of ``w``. Hint: compute in float32 whatever ``w``'s dtype;
-    ``row_scales`` above does the first half; clamp before the cast to int8 (a cast does
-    not saturate).
+    step (``scale / 2``) of ``w``. Hints: the chapter's "Assignments" section.
     """
     # >>> assignment 08.channel_scales (4 points)
     scale = row_scales(w, INT8_MAX)
