@@ -238,12 +238,13 @@ print(f"lower bound: ceil({sum(LENGTHS)} / {SLOTS}) = {-(-sum(LENGTHS) // SLOTS)
 # sequence needs blocks for its tokens, chapter 04). Every step, `Scheduler.schedule` asks the
 # policy to rank all unfinished sequences, gives the budget to the running ones in that order
 # (one token for a decode, the next piece for a prompt being computed in chunks), preempts the
-# lowest-ranked running sequence if the KV cache runs out, and admits waiting sequences in rank
-# order with what is left, stopping at the first one that does not fit:
+# lowest-ranked running sequence if the KV cache runs out (`_schedule_running`), and admits
+# waiting sequences in rank order with what is left, stopping at the first one that does not
+# fit (`_admit`):
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-show_source(Scheduler.schedule, Scheduler._admit)
+show_source(Scheduler.schedule, Scheduler._schedule_running, Scheduler._admit)
 
 # %% [markdown]
 # `schedule` only decides; it returns a `SchedulerOutput` (which sequences run, how many new
@@ -522,11 +523,10 @@ plt.show()
 #   the prompt whatever budget is left, computes it over several steps, and the short requests
 #   behind it get their turn as soon as it is done.
 #
-# The difference is one line of `Scheduler._chunk`:
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-show_source(Scheduler._chunk)
+# The difference is one decision of `Scheduler._admit` (section 6.1): what a waiting prompt gets
+# when what it still has to compute is more than the budget left. With chunking, all that is
+# left (the rest comes in later steps, as a running sequence); without, nothing, and admission
+# stops there.
 
 # %% [markdown]
 # The experiment: a budget of 128 tokens per step. Six "chat" requests (16-token prompts, 20
@@ -634,6 +634,25 @@ plt.show()
 # budget to admit others; our scheduler does not have that knob yet.
 
 # %% [markdown]
+# **Hints for assignment `06.admit`** (`Scheduler._admit`; its docstring is the specification).
+# Try without them first; read one at a time.
+#
+# 1. The policy has done the sorting: walk `ranked` once and `break` at the first sequence that
+#    cannot be admitted. Any `continue` would let a small request overtake a large one.
+# 2. Three things can stop a sequence: no budget to run anything of it, no slot (`max_num_seqs`)
+#    and no KV blocks. `_fit` answers the last two together, because a policy that evicts frees
+#    a slot and blocks in one move; your part is the first, and what to do when `_fit` says no.
+# 3. Ask the block manager for the cached prefix *before* deciding the budget: those tokens are
+#    already in the cache, so they count as computed, cost no budget and are not part of what
+#    the sequence still has to compute. Pass the same `cached` list on to `_fit`.
+# 4. Recompute the budget from `batch.num_tokens` for every sequence rather than keeping a
+#    running total: when `_fit` evicts, it takes the victim's tokens out of the batch.
+# 5. Chunked prefill off means all or nothing: a prompt larger than the budget left waits whole
+#    (and so does everyone behind it).
+# 6. The order of the state changes matters only in one place: `num_computed_tokens` must be
+#    set before `batch.add`, which reads it (a decode or not, sampling or not).
+
+# %% [markdown]
 # ## 5. Preemption: running out of KV cache
 #
 # Admission checks that a request's *prompt* fits in the KV cache, but every decode step needs a
@@ -645,6 +664,15 @@ plt.show()
 # recomputation at the price of copies. With prefix caching on, the freed blocks keep their
 # contents until they are recycled, so a recomputation often finds most of them still there.
 #
+# Preempting is short: free the blocks, forget the progress, wait again. Choosing *whom* to
+# preempt, and when to stop, is the running loop's job (`Scheduler._schedule_running`, shown in
+# section 6.1):
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+show_source(Scheduler._preempt)
+
+# %% [markdown]
 # The experiment: eight requests (prompts of 20–34 tokens, 24 new tokens each) with a KV cache
 # of only 12 blocks of 16 tokens, against the same requests with 128 blocks. The first line
 # printed below says how many blocks the eight need at their longest: far more than 12.
@@ -729,6 +757,23 @@ plt.show()
 # hands back its full blocks. The rule "the victim is always the lowest-ranked running
 # sequence" keeps the work of the most important requests; a smarter scheduler could also
 # notice that blocks are about to be freed and let the victim sit out one step instead.
+
+# %% [markdown]
+# **Hints for assignment `06.preempt`** (`Scheduler._schedule_running`; its docstring is the
+# specification). Read one at a time.
+#
+# 1. Two ends of one queue: the loop serves sequences from the front (most important first)
+#    and takes victims from the back (least important not yet served). `collections.deque`
+#    does both in O(1).
+# 2. A sequence already served this step is never a victim, even if it ranks low: it has left
+#    the queue. Only the ones still waiting their turn can give up their blocks.
+# 3. Retry the allocation after each victim: one victim may free too few blocks, or (with
+#    prefix caching) blocks that others still hold. When the queue is empty the sequence itself
+#    is the only one left to preempt; stop trying then.
+# 4. A sequence with no budget this step is still running: it keeps its blocks and its place in
+#    `self.running`, and does not join the batch.
+# 5. Python's `while ... else` runs the `else` branch only when the loop ended without `break`,
+#    i.e. when the allocation succeeded.
 
 # %% [markdown]
 # ## 6. Policies: who goes first
@@ -988,8 +1033,8 @@ print(f"{len(by_step)} engine steps, {shared} of them served alice and bob toget
 # ## Assignments
 #
 # In the course edition of this book (`make student`; see `chapters/INSTRUCTORS.md`) you write
-# these parts of the package yourself: how much of a sequence fits a step, what preemption does,
-# and the fair policy's order. Each function's docstring is the handout; the project's tests grade
+# these parts of the package yourself: admission under the token and sequence budgets, the
+# running sequences' loop with recompute preemption, and the fair policy's order. Each function's docstring is the handout; the project's tests grade
 # your code (`make grade STUDENT=<your folder>`), and once they pass this notebook runs on your
 # own engine.
 

@@ -524,11 +524,17 @@ from nanovllm.engine.scheduler import Scheduler
 show_source(LLMEngine.step, LLMEngine._execute, Scheduler._advance)
 
 # %% [markdown]
+# `Scheduler._advance` is the placeholder protocol, and `update_from_output` runs it first: it
+# counts the launched step's tokens as computed and appends a placeholder for each token that
+# step samples, then writes the tokens that landed over their placeholders. A landed token is
+# not always the newest: when step *n*'s token arrives, step *n+1*'s placeholder already follows
+# it, so it goes to the sequence's output number `num_delivered_tokens`, wherever that is.
+#
 # Two consequences need care. A sequence that stops (an end-of-sequence token, a stop string)
-# is discovered one step late, after it has already been scheduled once more: that step's
-# extra token is dropped (`Scheduler._apply`). And a sequence that reaches its length limit is
-# known to be done as soon as its last step is launched, so `Scheduler._advance` (the first half
-# of `update_from_output`) takes it off the running list at once. Here is the
+# is discovered one step late, after it has already been scheduled once more: when that step's
+# extra token lands the sequence is finished, and the token is dropped. And a sequence that
+# reaches its length limit is known to be done as soon as its last step is launched, so
+# `_advance` takes it off the running list at once. Here is the
 # mechanism on SmolLM2 (on this machine; on a CPU "launching" runs the step at once, but the
 # bookkeeping is the same): after one step, the newest token is a placeholder; the next call
 # fills it in; and the answers equal those of the synchronous loop:
@@ -562,6 +568,23 @@ print(answers[True])
 # %%
 # NBVAL_CHECK_OUTPUT
 print("async answers equal synchronous ones:", answers[True] == answers[False])
+
+# %% [markdown]
+# **Hints for assignment `11.placeholders`** (`Scheduler._advance`; its docstring is the
+# specification). Read one at a time.
+#
+# 1. Keep the two halves apart: first the launched step (progress and placeholders), then the
+#    landed one (tokens). Without async scheduling they are the same step, and this order is
+#    what lets its token replace the placeholder appended a moment before.
+# 2. `SchedulerOutput.samples[i]` already says whether step *i* samples: a prompt chunk that
+#    stops short of the prompt's end does not, and its `sampled_token_ids[i]` is None.
+# 3. The length check asks about the sequence *with* its placeholder: the token in flight is
+#    the one that reaches the limit. A retired sequence leaves `self.running`, not
+#    `self.requests`: it still has a token to receive.
+# 4. Never look for "the last placeholder": count the token in `num_delivered_tokens` and
+#    index from the prompt's end. That stays right when the next placeholder already follows.
+# 5. A late token for a finished sequence (a stop found one step late, an abort) is neither
+#    written nor returned: `_finish` already removed its placeholder and freed its blocks.
 
 # %% [markdown]
 # With async scheduling on (second row of the profile table above) the GPU was busy about 90%
@@ -1255,6 +1278,19 @@ if torch.cuda.is_available():
     free(gpu_llm)
 else:
     print("no GPU here: the recorded H200 results above stand in for a live run")
+
+# %% [markdown]
+# ## Assignment
+#
+# In the course edition of this book (`make student`; see `chapters/INSTRUCTORS.md`) you write
+# the placeholder protocol of async scheduling yourself (section 4). Its docstring is the
+# handout; the project's tests grade your code.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from nanovllm.course import assignment_table
+
+print(assignment_table("11"))
 
 # %% [markdown]
 # ## Exercises

@@ -7,14 +7,21 @@ another assignment's points). `python -m nanovllm.course.audit` checks these lis
 
 # A forward pass of the model without a KV cache (what tests/test_models.py runs).
 MODEL = ("01.rmsnorm", "01.rope", "02.causal_attention")
-# One engine step on CPU: the torch attention backend over the paged cache, the block
-# manager and the scheduler's admission (every admission chunks, even whole prompts).
+# The scheduler over a real block manager, driven by a stand-in model (schedule, then
+# update_from_output): its block accounting, admission, running loop and placeholders.
+SCHEDULER = (
+    "04.cached_prefix",
+    "04.allocate",
+    "04.free",
+    "06.admit",
+    "06.preempt",
+    "11.placeholders",
+)
+# One engine step on CPU: the torch attention backend over the paged cache, and the scheduler
+# (every step runs its admission, its running loop and its placeholder protocol).
 ENGINE = MODEL + (
     "02.paged_attention",
     "03.store_kv",
     "03.decode_attention",
-    "04.cached_prefix",
-    "04.allocate",
-    "04.free",
-    "06.chunk",
+    *SCHEDULER,
 )

@@ -8,6 +8,7 @@ and the extra token they computed dropped. Every test runs both modes and compar
 from __future__ import annotations
 
 import pytest
+from course_ids import ENGINE
 from test_scheduler import (  # noqa: F401
     PRIORITIES,
     PROMPTS,
@@ -57,6 +58,7 @@ def both_modes(path, params, **options):
     ],
     ids=["default", "chunks-of-3", "preemption", "priority-preemption", "max-model-len"],
 )
+@pytest.mark.assignment(*ENGINE)
 def test_async_equals_sync(tiny, options):
     llm, sync = both_modes(tiny, _params(24), **options)
     if "num_kv_blocks" in options:
@@ -66,6 +68,7 @@ def test_async_equals_sync(tiny, options):
         assert any(len(o.token_ids) < 24 for o in sync)
 
 
+@pytest.mark.assignment(*ENGINE)
 def test_stops_found_one_step_late_drop_the_extra_token(tiny):
     _, reference = run(tiny, _params(24), async_scheduling=False)
     # Stop each request at a token it generates mid-way: async learns of it a step late.

@@ -8,6 +8,7 @@ import math
 from types import SimpleNamespace
 
 import pytest
+from course_ids import SCHEDULER
 
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.policies import (
@@ -22,6 +23,8 @@ from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.scheduler_output import ModelRunnerOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
+
+UNFREED = tuple(a for a in SCHEDULER if a != "04.free")
 
 
 class Sim:
@@ -71,7 +74,7 @@ class Sim:
         return [s.request_id for s in self.sched.running]
 
 
-@pytest.mark.assignment("06.chunk", "04.cached_prefix", "04.allocate", "04.free")
+@pytest.mark.assignment(*SCHEDULER)
 def test_priority_admits_lower_numbers_first():
     sim = Sim(PriorityPolicy(), max_num_seqs=1)
     for p in [3, 1, 2, 0, 5, 4]:
@@ -80,7 +83,7 @@ def test_priority_admits_lower_numbers_first():
     assert sim.admitted == ["p0", "p1", "p2", "p3", "p4", "p5"]
 
 
-@pytest.mark.assignment("06.chunk", "04.cached_prefix", "04.allocate", "04.free")
+@pytest.mark.assignment(*SCHEDULER)
 def test_deadline_breaks_ties_between_equal_priorities():
     for policy in (PriorityPolicy(), PriorityPolicy(aging_rate=0)):
         sim = Sim(policy, max_num_seqs=1)
@@ -118,7 +121,7 @@ def test_aging_prevents_starvation():
     assert without_aging == math.inf  # strict priority: starved for all 140 steps
 
 
-@pytest.mark.assignment("06.chunk", "06.preempt", "04.cached_prefix", "04.allocate", "04.free")
+@pytest.mark.assignment(*SCHEDULER)
 def test_priority_preemption_victim_is_least_important():
     # 6 blocks of 4 tokens: three 8-token prompts fill the cache; the first decode step
     # needs a new block, so someone is preempted: the lowest priority, not the newest.
@@ -131,7 +134,7 @@ def test_priority_preemption_victim_is_least_important():
     assert set(sim.finished_step) == {"p0", "p1", "p2"}
 
 
-@pytest.mark.assignment("06.chunk", "06.preempt", "04.cached_prefix", "04.allocate", "04.free")
+@pytest.mark.assignment(*SCHEDULER)
 def test_priority_evicts_to_admit_an_urgent_request():
     sim = Sim(PriorityPolicy(), max_num_seqs=2)
     sim.submit("bg1", max_tokens=50, priority=5)
@@ -145,7 +148,7 @@ def test_priority_evicts_to_admit_an_urgent_request():
     assert len(sim.finished_step) == 3 and sim.finished_step["urgent"] < sim.finished_step["bg1"]
 
 
-@pytest.mark.assignment("06.chunk", "06.fair_order", "04.cached_prefix", "04.allocate", "04.free")
+@pytest.mark.assignment(*SCHEDULER, "06.fair_order")
 def test_fair_interleaves_tenants():
     fair, fcfs = Sim(FairPolicy(), max_num_seqs=4), Sim(FCFS(), max_num_seqs=4)
     for sim in (fair, fcfs):
@@ -158,7 +161,7 @@ def test_fair_interleaves_tenants():
     assert fcfs.admitted.index("B0") >= 20  # first come, first served: after all of A
 
 
-@pytest.mark.assignment("06.chunk", "06.fair_order", "04.cached_prefix", "04.allocate", "04.free")
+@pytest.mark.assignment(*SCHEDULER, "06.fair_order")
 def test_fair_rotates_turns_when_one_slot_frees_at_a_time():
     sim = Sim(FairPolicy(), max_num_seqs=1)
     for i in range(6):
@@ -169,7 +172,7 @@ def test_fair_rotates_turns_when_one_slot_frees_at_a_time():
     assert sim.admitted[:5] == ["A0", "B0", "A1", "B1", "A2"]
 
 
-@pytest.mark.assignment("06.chunk", "06.fair_order", "04.cached_prefix", "04.allocate")
+@pytest.mark.assignment(*UNFREED, "06.fair_order")  # nothing finishes
 def test_fair_gives_equal_slots_whatever_the_demand():
     sim = Sim(FairPolicy(), max_num_seqs=6)
     for user, n in (("big", 30), ("mid", 10), ("small", 5)):
@@ -194,7 +197,7 @@ def test_mixed_respects_shares():
     assert _classes(sim).count("inter") == 8 and _classes(sim).count("batch") == 2
 
 
-@pytest.mark.assignment("06.chunk", "06.preempt", "04.cached_prefix", "04.allocate", "04.free")
+@pytest.mark.assignment(*SCHEDULER)
 def test_mixed_reservation_evicts_batch_work_and_idles_nothing():
     sim = Sim(MixedPolicy({"interactive": 0.8, "batch": 0.2}), max_num_seqs=10)
     for i in range(20):

@@ -8,6 +8,9 @@ import ast
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+from course_ids import SCHEDULER
+
 import nanovllm
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.scheduler import Scheduler
@@ -17,6 +20,8 @@ from nanovllm.engine.stop_checker import StopChecker
 from nanovllm.sampling_params import SamplingParams
 
 PACKAGE = Path(nanovllm.__file__).parent
+# (a test in which nothing finishes or is preempted never frees a block)
+UNFREED = tuple(a for a in SCHEDULER if a != "04.free")
 
 
 def _scheduler(num_blocks=64, budget=64, max_model_len=None, eos=()) -> Scheduler:
@@ -48,6 +53,7 @@ def test_only_the_scheduler_writes_num_computed_tokens():
     assert "engine/scheduler.py" in writers
 
 
+@pytest.mark.assignment(*UNFREED)
 def test_schedule_only_decides_and_update_advances():
     sched = _scheduler()
     seq = _seq()
@@ -61,6 +67,7 @@ def test_schedule_only_decides_and_update_advances():
         (seq.request_id, [7], None)]
 
 
+@pytest.mark.assignment(*UNFREED)
 def test_async_placeholder_is_resolved_by_the_next_update():
     """Step 2 is scheduled before step 1's token is known: the sequence holds a placeholder
     that the update carrying step 1's tokens fills in."""
@@ -77,6 +84,7 @@ def test_async_placeholder_is_resolved_by_the_next_update():
     assert [r.new_token_ids for r in reports] == [[42]]
 
 
+@pytest.mark.assignment(*SCHEDULER)
 def test_length_limit_retires_at_launch_and_finishes_on_arrival():
     sched = _scheduler()
     seq = _seq(max_tokens=1)
@@ -90,6 +98,7 @@ def test_length_limit_retires_at_launch_and_finishes_on_arrival():
     assert seq.is_finished and not sched.requests and seq.block_table == []
 
 
+@pytest.mark.assignment(*SCHEDULER)
 def test_a_stop_token_found_late_drops_the_token_in_flight():
     sched = _scheduler(eos={0})
     seq = _seq(max_tokens=10)
@@ -106,6 +115,7 @@ def test_a_stop_token_found_late_drops_the_token_in_flight():
     assert sched.schedule(now=3.0).finished_seq_ids == set()  # handed out once, earlier
 
 
+@pytest.mark.assignment(*SCHEDULER)
 def test_finished_and_preempted_sequences_are_named_in_the_output():
     sched = _scheduler(num_blocks=4, budget=64)
     a, b = _seq(8, max_tokens=20), _seq(7, max_tokens=20)

@@ -79,24 +79,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    def _chunk(self, remaining: int, budget: int) -> int:
-        """How many of ``remaining`` tokens fit this step (0 = wait for a later step).
-
-        Handout (chapter 06 §4, chunked prefill). ``remaining`` (an ``int`` >= 1) is what a
-        sequence still has to compute, ``budget`` (an ``int`` >= 0) what is left of this
-        step's ``max_num_batched_tokens``. Return an ``int`` in ``[0, min(remaining,
-        budget)]``: everything when it all fits; otherwise, with ``self.chunked_prefill``,
-        as much as the budget allows (a chunk, the rest comes next step); without it, 0
-        (the sequence waits whole for a step with room). Change no state.
-
-        Hint: three lines; a decode (``remaining == 1``) fits whenever ``budget >= 1``.
-        """
-        # >>> assignment 06.chunk (4 points)
-        if remaining <= budget:
-            return remaining
-        return budget if self.chunked_prefill else 0
-        # <<< assignment 06.chunk
-
     def schedule(self, now: float | None = None) -> SchedulerOutput:
         """Pick this step's sequences and token counts. ``now`` defaults to the clock;
         tests pass a simulated time."""
@@ -105,19 +87,51 @@ class Scheduler:
         # (chapter 12, sliding_window.py), before allocating: they serve this step.
         for seq in self.running:
             self.block_manager.release_outside_window(seq)
-        batch, budget = SchedulerOutput(), self.max_num_batched_tokens
+        batch = SchedulerOutput()
         batch.finished_seq_ids, self._finished_seq_ids = self._finished_seq_ids, set()
         ordered, failed = rank_isolating_failures(self.policy, self.running + self.waiting, now)
         for seq, err in failed:  # (a policy error that is one request's: it ends alone)
             self._reports.append(self._finish(seq, "error", error=_describe(err)))
         rank = {s.seq_id: i for i, s in enumerate(ordered)}
+        running = [s for s in ordered if s.status is SequenceStatus.RUNNING]
         waiting = [s for s in ordered if s.status is SequenceStatus.WAITING]
-        queue = deque(s for s in ordered if s.status is SequenceStatus.RUNNING)
+        if not self._schedule_running(running, batch):  # after a preemption, admitting
+            self._admit(waiting, batch, rank, now)  # more would only thrash
+        self.drop_orphans(batch)
+        return batch
+
+    def _schedule_running(self, ranked: list[Sequence], batch: SchedulerOutput) -> bool:
+        """Serve the running sequences in rank order, preempting when the KV cache runs out.
+
+        Returns whether it preempted anything.
+
+        Handout (chapter 06 §1 and §5, recompute preemption). ``ranked``: every running
+        sequence, most important first; ``batch``: this step's ``SchedulerOutput``, empty.
+        Serve the sequences in that order, rebuilding ``self.running``. Each wants the
+        tokens it has not computed (``num_tokens - num_computed_tokens``: 1 to decode, the
+        rest of a prompt computed in chunks) and gets at most what those before it left of
+        ``self.max_num_batched_tokens``. One that gets nothing stays running, keeping its
+        blocks, out of the batch. One that gets ``n`` tokens needs
+        ``self.block_manager.allocate(seq, n)`` (chapter 04; all or nothing), then joins
+        ``self.running`` and ``batch`` (``batch.add``).
+
+        While that allocation fails, preempt the least important sequence not served yet
+        (the last of ``ranked`` still to come) with ``self._preempt`` (given: it frees the
+        blocks and requeues), list it in ``batch.preempted``, and try again; with nobody
+        left to come, the sequence preempts itself. Invariants: nobody is preempted for a
+        sequence ranked below it; ``batch.num_tokens`` stays within the budget; each
+        sequence of ``ranked`` ends up either in ``self.running`` (in rank order) or in
+        ``batch.preempted`` (in preemption order), never both.
+        """
+        # >>> assignment 06.preempt (8 points)
+        queue = deque(ranked)
         self.running = []
         preempted = False
         while queue:
             seq = queue.popleft()
-            n = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
+            budget = self.max_num_batched_tokens - batch.num_tokens
+            # (chunked prefill off: admitted whole, a running sequence only ever decodes)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if n == 0:
                 self.running.append(seq)  # keeps its blocks, waits for budget
                 continue
@@ -131,31 +145,51 @@ class Scheduler:
             else:
                 self.running.append(seq)
                 batch.add(seq, n)
-                budget -= n
-        if not preempted:  # after a preemption, admitting more would only thrash
-            self._admit(waiting, batch, rank, now)
-        self.drop_orphans(batch)
-        return batch
-
-    def drop_orphans(self, batch: SchedulerOutput) -> None:
-        """Preempt the sequences of ``batch`` that adopted a cached block whose computation
-        left the step (``BlockManager.take_orphans``); they are recomputed later."""
-        # Preempting one may orphan blocks that another adopted from it: repeat until none.
-        while orphans := self.block_manager.take_orphans():
-            for seq in [s for s in batch.seqs if not orphans.isdisjoint(s.block_table)]:
-                batch.remove(seq)
-                self.running.remove(seq)
-                self._preempt(seq)
-                batch.preempted.append(seq)
+        return preempted
+        # <<< assignment 06.preempt
 
     def _admit(
-        self, ordered: list[Sequence], batch: SchedulerOutput, rank: dict, now: float
+        self, ranked: list[Sequence], batch: SchedulerOutput, rank: dict[int, int], now: float
     ) -> None:
+        """Admit waiting sequences, most important first, into what is left of this step.
+
+        Handout (chapter 06 §1 and §4, admission and chunked prefill). ``ranked``: the
+        waiting sequences in the policy's order; ``batch``: this step so far (the running
+        sequences'); ``rank``: every sequence's place in that order, for ``_fit``; ``now``:
+        the step's time.
+
+        Walk ``ranked`` and stop at the first sequence that cannot be admitted (head-of-line
+        blocking: no request behind it overtakes it). A sequence's cached prefix
+        (``self.block_manager.cached_prefix(seq)``: ids of full blocks of ``block_size``
+        tokens) counts as computed and costs no budget; the rest must be computed. The
+        budget is ``self.max_num_batched_tokens`` less ``batch.num_tokens`` at that moment
+        (an eviction takes its victim's tokens out of the batch). The rest runs whole if it
+        fits the budget; otherwise with ``self.chunked_prefill`` as much as the budget
+        allows (later steps compute the remainder), and without it nothing. A sequence that
+        can run nothing is not admitted; nor is one for which ``self._fit(seq, n, cached,
+        rank, batch)`` says False. ``_fit`` (given) checks for a slot (``max_num_seqs``)
+        and allocates the blocks, evicting lower-ranked running sequences for policies with
+        ``preempts_to_admit``.
+
+        An admitted sequence: ``num_computed_tokens`` = its cached tokens (set before
+        ``batch.add``, which reads it); status RUNNING; appended to ``self.running`` and
+        added to ``batch`` with its ``n`` tokens; on its first admission only
+        (``metrics.first_scheduled_time`` is None; a preempted sequence comes back)
+        ``metrics.first_scheduled_time = now`` and ``metrics.num_cached_prompt_tokens`` =
+        its cached tokens; ``self._on_admit(seq, now)`` when the policy has one. At the end
+        ``self.waiting`` holds exactly the sequences still waiting, in their earlier order
+        (any that ``_fit`` evicted included).
+        """
+        # >>> assignment 06.admit (11 points)
         bs = self.block_manager.block_size
-        for seq in ordered:
+        for seq in ranked:
             budget = self.max_num_batched_tokens - batch.num_tokens
             cached = self.block_manager.cached_prefix(seq)
-            n = self._chunk(seq.num_tokens - len(cached) * bs, budget)
+            remaining = seq.num_tokens - len(cached) * bs
+            if remaining <= budget:
+                n = remaining
+            else:
+                n = budget if self.chunked_prefill else 0
             if n == 0 or not self._fit(seq, n, cached, rank, batch):
                 break  # head-of-line blocking keeps the policy's order honest
             seq.num_computed_tokens = len(cached) * bs  # the cached prefix counts as computed
@@ -168,6 +202,7 @@ class Scheduler:
             self.running.append(seq)
             batch.add(seq, n)
         self.waiting = [s for s in self.waiting if s.status is SequenceStatus.WAITING]
+        # <<< assignment 06.admit
 
     def _fit(
         self, seq: Sequence, n: int, cached: list[int], rank: dict, batch: SchedulerOutput
@@ -195,29 +230,27 @@ class Scheduler:
         return False
 
     def _preempt(self, seq: Sequence) -> None:
-        """Preempt running ``seq`` by recomputation: it gives up its KV cache and waits again.
-
-        Handout (chapter 06 §5, preemption). The caller has already taken ``seq`` out of
-        ``self.running`` and of this step's batch. Release all its blocks with
-        ``self.block_manager.free(seq)`` (chapter 04), then reset
-        ``seq.num_computed_tokens`` to 0, so its prompt *and* the tokens generated so far
-        are recomputed when it is admitted again; set its status back to
-        ``SequenceStatus.WAITING``; count the preemption twice, in the request's own
-        ``seq.metrics.num_preemptions`` and in the engine-wide ``self.num_preemptions``;
-        and put it in ``self.waiting``. Keep ``seq.token_ids``: the outputs so far are not
-        lost, only their KV cache.
-
-        Hint: six lines. Where in ``self.waiting`` it goes does not matter: every step the
-        policy ranks running and waiting sequences afresh.
-        """
-        # >>> assignment 06.preempt (6 points)
+        """Preempt ``seq`` by recomputation (chapter 06 §5): it gives up its KV cache and
+        waits again. The caller has taken it out of ``self.running`` and of this step's batch.
+        Its tokens stay: when admitted again it computes its prompt *and* its outputs so far.
+        Where in ``self.waiting`` it goes does not matter: every step the policy ranks all."""
         self.block_manager.free(seq)  # (reads num_computed_tokens: reset it after)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.metrics.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.append(seq)  # where in the queue does not matter: the policy ranks it
-        # <<< assignment 06.preempt
+        self.waiting.append(seq)
+
+    def drop_orphans(self, batch: SchedulerOutput) -> None:
+        """Preempt the sequences of ``batch`` that adopted a cached block whose computation
+        left the step (``BlockManager.take_orphans``); they are recomputed later."""
+        # Preempting one may orphan blocks that another adopted from it: repeat until none.
+        while orphans := self.block_manager.take_orphans():
+            for seq in [s for s in batch.seqs if not orphans.isdisjoint(s.block_table)]:
+                batch.remove(seq)
+                self.running.remove(seq)
+                self._preempt(seq)
+                batch.preempted.append(seq)
 
     # -- after the model ran ---------------------------------------------------------------
     def update_from_output(
@@ -231,29 +264,68 @@ class Scheduler:
         ``model_output`` is the step just run, or with async scheduling the one before it
         (whose tokens arrived while this one was queued on the device), or None."""
         outputs, self._reports = self._reports, []
-        self._advance(scheduler_output)
+        placed = self._advance(scheduler_output, model_output)
         if model_output is not None:
-            outputs += self._apply(model_output)
+            outputs += self._apply(model_output, placed)
         return outputs
 
-    def _advance(self, step: SchedulerOutput) -> None:
-        for seq, n, samples in zip(step.seqs, step.num_new_tokens, step.samples):
+    def _advance(self, launched: SchedulerOutput, landed: ModelRunnerOutput | None) -> list[int]:
+        """Advance a launched step's sequences, and put a landed step's tokens in place.
+
+        Count ``launched``'s tokens as computed, holding a placeholder for each token it
+        samples; then write ``landed``'s sampled tokens over theirs. Returns the indices
+        (into ``landed.step.seqs``, ascending) of the tokens written.
+
+        Handout (chapter 11 §4, async scheduling: the placeholder protocol). ``launched``
+        is the step just queued on the device; ``landed`` the step whose tokens reached the
+        host: the same step without async scheduling, the one before it with it (its
+        ``step`` was launched by the previous call), or None. Do ``launched`` first.
+
+        Launched: each sequence's ``num_computed_tokens`` grows by its
+        ``num_new_tokens[i]``. One that samples (``samples[i]``; a prompt chunk that stops
+        mid-prompt does not) gets ``PLACEHOLDER`` appended to ``token_ids``, standing for
+        the token the device is sampling. If that token is its last for length
+        (``self.stop_checker.reached_length(seq, seq.num_tokens)``) it leaves
+        ``self.running`` now (it must never be scheduled again) but stays in
+        ``self.requests`` until its token lands.
+
+        Landed: ``sampled_token_ids[i]`` belongs to ``landed.step.seqs[i]``; None means its
+        step sampled nothing. A sequence that finished meanwhile (a stop found one step
+        late, an abort) drops its token. Any other counts it in ``num_delivered_tokens``
+        and writes it over its output number ``num_delivered_tokens``, i.e. at index
+        ``num_prompt_tokens + num_delivered_tokens - 1`` of ``token_ids``: not always the
+        last index, since the next step's placeholder may already follow it. Stop checks,
+        block registration and reports are the caller's (``_apply``).
+        """
+        # >>> assignment 11.placeholders (8 points)
+        for seq, n, samples in zip(launched.seqs, launched.num_new_tokens, launched.samples):
             seq.num_computed_tokens += n
             if not samples:
                 continue  # mid-prompt: nothing sampled
             seq.token_ids.append(PLACEHOLDER)  # filled in when the token reaches the host
             if self.stop_checker.reached_length(seq, seq.num_tokens):
                 self.running.remove(seq)  # done whatever the token: never schedule it again
+        placed = []
+        if landed is not None:
+            for i, (seq, token) in enumerate(zip(landed.step.seqs, landed.sampled_token_ids)):
+                if seq.is_finished or token is None:
+                    continue  # ended while this step ran (its token is dropped), or mid-prompt
+                seq.num_delivered_tokens += 1
+                seq.token_ids[seq.num_prompt_tokens + seq.num_delivered_tokens - 1] = token
+                placed.append(i)
+        return placed
+        # <<< assignment 11.placeholders
 
-    def _apply(self, model_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+    def _apply(self, model_output: ModelRunnerOutput, placed: list[int]) -> list[EngineCoreOutput]:
+        """Reports for the tokens ``_advance`` put in place (indices into the step), and for
+        the prompt logprobs the step computed."""
         step, in_flight = model_output.step, model_output.in_flight
         now = time.perf_counter()
         outputs = self._prompt_logprobs(in_flight) if in_flight is not None else []
-        for i, (seq, token) in enumerate(zip(step.seqs, model_output.sampled_token_ids)):
-            if seq.is_finished or token is None:
-                continue  # ended while this step ran (its token is dropped), or mid-prompt
+        for i in placed:
+            seq, token = step.seqs[i], model_output.sampled_token_ids[i]
             try:
-                outputs.append(self._append_token(seq, token, now))
+                outputs.append(self._took_token(seq, token, now))
                 if (k := seq.params.logprobs) is not None:
                     row = in_flight.logit_rows[i]
                     outputs[-1].new_logprobs = [in_flight.token_logprobs(row, token, k)]
@@ -261,12 +333,10 @@ class Scheduler:
                 outputs.append(self._finish(seq, "error", error=_describe(err)))
         return outputs
 
-    def _append_token(self, seq: Sequence, token: int, now: float) -> EngineCoreOutput:
-        # This step's token follows the ones delivered so far; with async scheduling the
-        # next step's placeholder may already stand after it.
-        seq.num_delivered_tokens += 1
+    def _took_token(self, seq: Sequence, token: int, now: float) -> EngineCoreOutput:
+        """``seq``'s newest delivered ``token`` is in place: register the blocks that waited
+        for it, count it, check stop; its report."""
         length = seq.num_prompt_tokens + seq.num_delivered_tokens
-        seq.token_ids[length - 1] = token
         # Blocks that waited for this token are registered now (see cache_full_blocks).
         self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens)
         metrics = seq.metrics
@@ -277,8 +347,7 @@ class Scheduler:
         stop = self.stop_checker.check(seq, token, length)
         if stop is None:
             return EngineCoreOutput(seq.parent_id, [token], index=seq.index)
-        del seq.token_ids[length:]
-        return self._finish(seq, *stop, new_token_ids=[token])
+        return self._finish(seq, *stop, new_token_ids=[token])  # (drops a placeholder after it)
 
     def _prompt_logprobs(self, in_flight) -> list[EngineCoreOutput]:
         """Reports of the prompt logprobs a step computed, each position once (a preempted
