@@ -8,13 +8,16 @@ another assignment's points). `python -m nanovllm.course.audit` checks these lis
 # A forward pass of the model without a KV cache (what tests/test_models.py runs).
 MODEL = ("01.rmsnorm", "01.rope", "02.causal_attention")
 # One engine step on CPU: the torch attention backend over the paged cache, the block
-# manager and the scheduler's admission (every admission chunks, even whole prompts).
+# manager, the scheduler's admission (every admission chunks, even whole prompts), the
+# runner's packing of the step and the sampler (greedy steps too).
 ENGINE = MODEL + (
+    "01.sampler",
     "02.paged_attention",
     "03.store_kv",
     "03.decode_attention",
     "04.cached_prefix",
     "04.allocate",
     "04.free",
+    "04.prepare",
     "06.chunk",
 )

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.configs import config_path
-from nanovllm.engine.scheduler import ScheduledBatch
+from nanovllm.engine.scheduler_output import SchedulerOutput
 from nanovllm.engine.step import PackedArrays
 
 DTYPES = {np.int64: torch.int64, np.int32: torch.int32}
@@ -99,6 +99,8 @@ def test_a_buffer_of_the_wrong_shape_or_a_field_of_three_dimensions_is_refused()
 
 # -- the plan ModelRunner.prepare builds -------------------------------------------------------
 BS = 16
+# what these tests reach: the runner's packing, and the block manager for the sequences' blocks
+PREPARE = ("04.prepare", "04.allocate", "04.free")
 
 
 @pytest.fixture(scope="module")
@@ -120,11 +122,12 @@ def _sequence(engine, num_tokens: int, computed: int):
     return seq
 
 
+@pytest.mark.assignment(*PREPARE)
 def test_prepare_names_each_field_and_a_worker_decodes_the_same_step(engine):
     chunk = _sequence(engine, 40, 0)  # a prompt's first 20 tokens: nothing sampled
     decode = _sequence(engine, 20, 19)
     prompt = _sequence(engine, 5, 0)
-    step = engine.runner.prepare(ScheduledBatch([chunk, decode, prompt], [20, 1, 5]))
+    step = engine.runner.prepare(SchedulerOutput([chunk, decode, prompt], [20, 1, 5]))
     plan = step.plan
     order = [(decode, 19, 20), (chunk, 0, 20), (prompt, 0, 5)]  # decodes first
     positions = [p for _, start, end in order for p in range(start, end)]
@@ -157,17 +160,18 @@ def test_prepare_names_each_field_and_a_worker_decodes_the_same_step(engine):
     assert worker_meta.cu_seqlens_q_host == step.meta.cu_seqlens_q_host == [0, 1, 21, 26]
     assert worker_meta.max_seqlen_k == 20
 
-    alone = engine.runner.prepare(ScheduledBatch([chunk], [20])).plan  # mid-prompt only
+    alone = engine.runner.prepare(SchedulerOutput([chunk], [20])).plan  # mid-prompt only
     assert alone.num_samples == 0 and alone.longs.unpack()["sample_indices"].size == 0
     for seq in (chunk, decode, prompt):
         engine.block_manager.free(seq)
 
 
+@pytest.mark.assignment(*PREPARE)
 def test_the_names_cost_the_message_little(engine):
     """What a worker receives is the two buffers and a few hundred bytes of names and
     shapes: no per-field arrays, whose pickled headers would grow every step's message."""
     seqs = [_sequence(engine, 17, 16) for _ in range(8)]
-    plan = engine.runner.prepare(ScheduledBatch(seqs, [1] * 8)).plan
+    plan = engine.runner.prepare(SchedulerOutput(seqs, [1] * 8)).plan
     payload = plan.longs.buffer.nbytes + plan.ints.buffer.nbytes
     assert len(pickle.dumps(("step", plan), protocol=pickle.HIGHEST_PROTOCOL)) < payload + 800
     for seq in seqs:
