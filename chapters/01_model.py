@@ -879,12 +879,32 @@ print("exponential race == Gumbel-max on all 100,000 draws:", torch.equal(race, 
 # %% [markdown]
 # The package's `Sampler` (`nanovllm/layers/sampler.py`) puts it all together for a batch:
 # greedy arg-max for rows with temperature 0, otherwise temperature, filters, softmax and the
-# race. A row whose request has a `seed` draws its noise from its own generator, so its tokens
-# do not depend on what else is in the batch (section 3).
+# race, each row with its own settings. The noise is one draw for the whole batch from the
+# sampler's shared generator; a row whose request has a `seed` then redraws its own row from
+# its own generator (one per request, kept for the request's life), so its tokens do not
+# depend on what else is in the batch, nor on where it sits in it (section 3). And nothing in
+# it reads a value back to the host: it runs on the GPU while the CPU already prepares the next
+# step (chapter 11), so a per-row choice is a `torch.where`, never an `if` on a tensor.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-show_source(Sampler, inspect.getmodule(Sampler).exponential_noise)
+show_source(Sampler)
+
+# %% [markdown]
+# **Assignment `01.sampler`: hints**, from vague to specific. The handout is
+# `Sampler.forward`'s docstring; try it with the handout alone first, and open one hint at a
+# time.
+#
+# 1. Compute the greedy token of every row first (one arg-max): it is the whole answer when
+#    every row is greedy, and the greedy rows' answer otherwise.
+# 2. Temperatures are a `[B]` tensor: broadcast the division over the vocabulary. A greedy row
+#    must not divide by 0; give it any finite temperature, since its sampled token is thrown
+#    away.
+# 3. To take, per row, either the greedy or the sampled token without asking the device
+#    anything, use `torch.where(condition[B], a[B], b[B])`.
+# 4. The noise: fill a `[B, V]` tensor with `exponential_(generator=self.generator)`, then walk
+#    `params.generators` (a Python list, on the host) and redraw `noise[row]` in place for each
+#    row that has one; the token is the arg-max of `probs / noise`.
 
 # %% [markdown]
 # With the same generator seed, our small pipeline draws the same noise in the same order as

@@ -29,7 +29,8 @@
 #
 # What we do:
 #
-# 1. open the engine during a real run and draw its blocks, block tables and slot mapping;
+# 1. open the engine during a real run and draw its blocks, block tables and slot mapping, and
+#    see how the model runner packs a step into the model's inputs;
 # 2. build a small block manager (about 30 lines) and check that it hands out exactly the same
 #    blocks as the package's on a random sequence of operations;
 # 3. add prefix caching: chained hashes, a guard that compares the whole chain of tokens so that
@@ -43,7 +44,8 @@
 # Modules taught here: `nanovllm/engine/block_manager.py` (all of it),
 # `nanovllm/engine/sequence.py` (a request's `block_table`, `block_hashes` and
 # `num_computed_tokens`), the block accounting in `nanovllm/engine/scheduler.py`,
-# `ModelRunner.prepare` in `nanovllm/engine/model_runner.py` (slot mapping and block tables),
+# `ModelRunner.prepare` in `nanovllm/engine/model_runner.py` and `pack_step` in
+# `nanovllm/engine/step.py` (slot mapping, block tables and the rest of a step's layout),
 # `nanovllm/context.py` (how they reach the attention layers) and the counters in
 # `nanovllm/engine/llm_engine.py` / `metrics.py`.
 
@@ -71,7 +73,8 @@ from nanovllm import LLM, SamplingParams, smollm2_path
 from nanovllm.engine.block_manager import BlockManager, chain_hash
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.output_processor import RequestState
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import PLACEHOLDER, Sequence
+from nanovllm.engine.step import pack_step
 from nanovllm.viz import BOOK_COLORS, save_figure, show_source, use_book_style
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -332,6 +335,86 @@ print("outputs:", {name: len(s.output_token_ids) for name, s in seqs.items()},
       "| blocks in use:", bm.num_blocks - bm.num_free_blocks)
 
 # %% [markdown]
+# ### 1.3 Packing a step: what `prepare` hands the model
+#
+# The scheduler's decision is a list of sequences and, for each, how many new tokens it computes
+# this step (`batch.seqs`, `batch.num_new_tokens`); a sequence whose keys and values are in the
+# cache up to position `start` (its `num_computed_tokens`) computes positions `start`, ...,
+# `end - 1`. The model wants one flat batch of tokens. `ModelRunner.prepare` builds it in two
+# halves: `pack_step` (`nanovllm/engine/step.py`) lays the step out in host lists, and `prepare`
+# copies them to the device, one buffer per dtype (`PackedArrays`; chapter 09 sends the same
+# plan to its tensor-parallel workers), and wraps them in the `AttentionMetadata`
+# (`nanovllm/context.py`) that the runner installs for the forward pass, so that
+# `model(input_ids, positions)` stays free of paging details and each attention layer finds the
+# metadata itself. What `pack_step` lays out:
+#
+# - **the order**: decodes (one new token) first, then the chunks of prompts, each group in the
+#   batch's order. The attention backends run the leading decodes with a faster kernel
+#   (chapters 02 and 05), and `num_decodes` tells them where the decodes end.
+# - **one entry per new token**: its id (`input_ids`), its position (`positions`, which RoPE
+#   needs) and its slot (`slot_mapping`, the formula of section 1.1), the rows end to end.
+# - **where each row starts and what it reads**: `cu_seqlens_q` holds the running total of the
+#   rows' new tokens, from 0 (row $r$'s queries are `cu_seqlens_q[r]` to `cu_seqlens_q[r+1]-1`
+#   of the flat batch); `seq_lens_k` is how many keys each row attends to, its new ones
+#   included (`end`), the older ones read through `block_tables`, one row per sequence padded
+#   with -1 into a rectangle.
+# - **which rows are sampled**: only a row whose new tokens reach its sequence's last token has
+#   a next token to sample; a chunk that ends mid-prompt has none. `sample_indices` names the
+#   flat rows whose hidden states go to the LM head, and `logit_rows` tells each sequence, in
+#   the batch's order, which sampled token is its own (or -1).
+# - **prompt logprobs** (chapter 01 §2.5): a request that asks for them needs the logits at
+#   every prompt position whose next token is still a prompt token, chunk by chunk.
+# - **placeholders** (chapter 11): with async scheduling the runner prepares a step while the
+#   previous one is still sampling, so a decode's input token may be a `PLACEHOLDER` on the
+#   host. `pack_step` records where it sits and which of the in-flight step's sampled tokens
+#   fills it; `prepare` patches it on the device, so the token never visits the CPU.
+#
+# A small step built by hand (block size 4): a prompt of 10 tokens computing its first 6, and a
+# decode whose newest token (position 8) is still in flight.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+chunk = Sequence(list(range(100, 110)), GREEDY)  # 10 prompt tokens, 0 computed
+chunk.block_table = [4, 11]
+decode = Sequence(list(range(200, 206)), GREEDY)  # 6 prompt tokens and 3 generated ones
+decode.token_ids += [901, 902, PLACEHOLDER]  # the newest one still on the device
+decode.num_computed_tokens, decode.block_table = 8, [7, 2, 9]
+packed = pack_step([chunk, decode], [6, 1], 4, in_flight_rows={decode.seq_id: 0})
+for key in ("input_ids", "positions", "slot_mapping", "cu_seqlens_q", "seq_lens_k",
+            "sample_indices", "logit_rows", "patch_targets", "patch_sources"):
+    print(f"{key:15s}", list(packed[key]))
+print("block_tables\n", packed["block_tables"])
+
+# %% [markdown]
+# The decode comes first although the batch lists it second; its token goes to slot
+# $9 \cdot 4 + 0 = 36$, and it alone is sampled (`logit_rows` is in the batch's order: the
+# chunk has nothing to sample). Its input id stays -1 until `prepare` fills it on the device
+# from row 0 of the previous step's tokens. The runner's half:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+show_source(ModelRunner.prepare, pack_step)
+
+# %% [markdown]
+# **Assignment `04.prepare`: hints**, from vague to specific. The handout is `pack_step`'s
+# docstring; try it with the handout alone first, and open one hint at a time.
+#
+# 1. One pass over the sequences in the packed order fills everything: keep running lists and
+#    append as you go. A token's index in `input_ids` is the length of `input_ids` just before
+#    it is appended, and the last entry of `cu_seqlens_q` is where the current row starts.
+# 2. The packed order is a *stable* sort of the batch indices by "is not a one-token row"
+#    (Python's `sorted` is stable). Keep the batch index `i` of each row: `logit_rows` is indexed
+#    by it, everything else by the row.
+# 3. A row is sampled when `start + n == seq.num_tokens`, at the flat index of its last token;
+#    the prompt positions it scores are `range(start, min(end, num_prompt_tokens - 1))` (empty
+#    once `start` reaches the last prompt token); only the last new token of a row can be a
+#    placeholder (`seq.token_ids[end - 1] == PLACEHOLDER`).
+# 4. Speed: this runs every step, for every sequence. Give a one-token row its own branch that
+#    appends three integers (no slice, no `range`, no comprehension): at batch 256 that path is
+#    nearly all of the work. Pad the tables once at the end: `np.full((rows, width), -1,
+#    np.int32)`, then copy each table into the start of its row.
+
+# %% [markdown]
 # ## 2. A small block manager
 #
 # Without prefix caching, the bookkeeping is a free list and one table per request:
@@ -448,20 +531,8 @@ show_source(BlockManager.blocks_needed, BlockManager.allocate, BlockManager._tak
 # `allocate(seq, n)` for the step's tokens, and if that fails it **preempts** the lowest-ranked
 # running request (frees its blocks; it will be recomputed later, chapter 06). For a waiting
 # request it first asks `cached_prefix(seq)` (section 3) and then `allocate(seq, n, cached)`.
-# `ModelRunner.prepare` (`nanovllm/engine/model_runner.py`) turns tables into the slot mapping:
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-show_source(ModelRunner.prepare)
-
-# %% [markdown]
-# The loop's middle is the formula of section 1.1:
-# `slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]`. Decodes are
-# packed first (the attention backends treat them with a faster kernel), tables are padded with
-# -1 into one rectangular tensor, and the result travels in an `AttentionMetadata`
-# (`nanovllm/context.py`) that the runner installs for the forward pass, so that
-# `model(input_ids, positions)` stays free of paging details and each attention layer finds the
-# metadata itself.
+# The model runner then turns the tables into the slot mapping (`ModelRunner.prepare`, section
+# 1.3).
 
 # %% [markdown]
 # ## 3. Prefix caching

@@ -523,7 +523,7 @@ plt.show()
 #   the prompt whatever budget is left, computes it over several steps, and the short requests
 #   behind it get their turn as soon as it is done.
 #
-# The difference is one decision of `Scheduler._admit` (section 6.1): what a waiting prompt gets
+# The difference is one decision of `Scheduler._admit` (section 1): what a waiting prompt gets
 # when what it still has to compute is more than the budget left. With chunking, all that is
 # left (the rest comes in later steps, as a running sequence); without, nothing, and admission
 # stops there.
@@ -666,7 +666,7 @@ plt.show()
 #
 # Preempting is short: free the blocks, forget the progress, wait again. Choosing *whom* to
 # preempt, and when to stop, is the running loop's job (`Scheduler._schedule_running`, shown in
-# section 6.1):
+# section 1):
 
 # %%
 # NBVAL_IGNORE_OUTPUT

@@ -17,11 +17,14 @@ SCHEDULER = (
     "06.preempt",
     "11.placeholders",
 )
-# One engine step on CPU: the torch attention backend over the paged cache, and the scheduler
-# (every step runs its admission, its running loop and its placeholder protocol).
+# One engine step on CPU: the torch attention backend over the paged cache, the scheduler
+# (every step runs its admission, its running loop and its placeholder protocol), the runner's
+# packing of the step and the sampler (greedy steps too).
 ENGINE = MODEL + (
+    "01.sampler",
     "02.paged_attention",
     "03.store_kv",
     "03.decode_attention",
     *SCHEDULER,
+    "04.prepare",
 )

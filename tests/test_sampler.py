@@ -1,12 +1,22 @@
-"""The sampler: greedy, filters, Gumbel-max frequencies, and per-request seeds."""
+"""The sampler: greedy, filters, Gumbel-max frequencies, and per-request seeds.
+
+The tests of ``Sampler.forward`` alone (assignment ``01.sampler``) compare frequencies with
+the softmax probabilities by Pearson's chi-square on fixed seeds (so they cannot flake),
+check that a seeded row's tokens do not depend on the rest of the batch, that greedy rows take
+the arg-max among sampled ones, that the noise stream is the documented one, and that nothing
+reads a device value on the host.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from course_ids import ENGINE
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.sampler import Sampler, SamplingTensors, filter_logits
+
+SAMPLER = "01.sampler"
 
 
 def _tensors(n, temperature=1.0, top_k=None, top_p=1.0, min_p=0.0, vocab=6, generators=None):
@@ -34,6 +44,7 @@ def test_filters_keep_the_right_tokens():
     assert kept(top_k=one(5, torch.int64), top_p=one(1.0), min_p=one(0.5)) == [1, 1, 0, 0, 0]
 
 
+@pytest.mark.assignment(SAMPLER)
 def test_gumbel_max_sampling_follows_the_distribution():
     probs = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625, 0.0])
     n = 20000
@@ -44,15 +55,197 @@ def test_gumbel_max_sampling_follows_the_distribution():
     assert freq[-1] == 0
 
 
+@pytest.mark.assignment(SAMPLER)
 def test_greedy_is_argmax_and_temperature_zero_rows_stay_greedy():
     logits = torch.randn(8, 50, generator=torch.Generator().manual_seed(0))
     assert torch.equal(Sampler()(logits, _tensors(8, temperature=0.0, vocab=50)), logits.argmax(-1))
 
 
-@pytest.mark.assignment("01.filter_logits")
+@pytest.mark.assignment("01.filter_logits", SAMPLER)
 def test_top_k_1_equals_greedy():
     logits = torch.randn(16, 50, generator=torch.Generator().manual_seed(3))
     assert torch.equal(Sampler()(logits, _tensors(16, top_k=1, vocab=50)), logits.argmax(-1))
+
+
+# -- Sampler.forward alone (01.sampler) ---------------------------------------------------------
+def _rows(temperatures, generators=None, top_k=None, vocab=8):
+    """SamplingTensors for rows with these temperatures (and, optionally, top-k)."""
+    n = len(temperatures)
+    temps = torch.tensor(temperatures, dtype=torch.float32)
+    k = torch.full((n,), top_k or vocab, dtype=torch.int64)
+    return SamplingTensors(temps, k, torch.ones(n), torch.zeros(n), generators or [None] * n,
+                           all(t == 0 for t in temperatures), top_k is not None)
+
+
+def _chi2_p_value(tokens: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's chi-square p-value of the token counts against ``probs`` (tokens of
+    probability 0 must never appear)."""
+    counts = torch.bincount(tokens, minlength=len(probs)).double()
+    expected = len(tokens) * probs.double()
+    kept = expected > 0
+    assert counts[~kept].sum() == 0, "a token of probability 0 was drawn"
+    chi2 = ((counts - expected)[kept] ** 2 / expected[kept]).sum()
+    dof = torch.tensor((int(kept.sum()) - 1) / 2, dtype=torch.float64)
+    return 1 - torch.special.gammainc(dof, chi2 / 2).item()
+
+
+def _logits(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+@pytest.mark.assignment(SAMPLER)
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_frequencies_follow_the_softmax_at_each_temperature(temperature):
+    z = _logits(8, seed=1)
+    n = 40_000
+    tokens = Sampler(seed=2)(z.expand(n, -1), _rows([temperature] * n))
+    assert tokens.shape == (n,) and tokens.dtype == torch.int64
+    assert _chi2_p_value(tokens, (z / temperature).softmax(-1)) > 1e-3
+
+
+@pytest.mark.assignment(SAMPLER)
+def test_temperatures_mix_in_one_batch_each_row_its_own():
+    """Rows of one batch alternate between four settings (greedy among them); each setting's
+    rows follow their own distribution, and greedy rows take the arg-max."""
+    z = _logits(8, seed=3)
+    temperatures = [0.3, 0.0, 1.0, 3.0]
+    n = 12_000
+    rows = temperatures * n
+    tokens = Sampler(seed=4)(z.expand(len(rows), -1), _rows(rows))
+    for which, temperature in enumerate(temperatures):
+        mine = tokens[which :: len(temperatures)]
+        if temperature == 0:
+            assert (mine == z.argmax()).all()
+        else:
+            assert _chi2_p_value(mine, (z / temperature).softmax(-1)) > 1e-3, temperature
+
+
+@pytest.mark.assignment(SAMPLER)
+def test_seeded_rows_follow_the_distribution_from_their_own_generators():
+    """Each row has a generator of its own seed: across rows the tokens still follow the
+    filtered softmax (top-k 5), and two generators of one seed give the same row."""
+    z = _logits(8, seed=5)
+    n = 20_000
+    generators = [torch.Generator().manual_seed(1000 + i) for i in range(n)]
+    tokens = Sampler(seed=6)(z.expand(n, -1), _rows([0.8] * n, generators, top_k=5))
+    expected = filter_logits((z / 0.8)[None], torch.tensor([5]), torch.ones(1), torch.zeros(1))
+    assert _chi2_p_value(tokens, expected[0].softmax(-1)) > 1e-3
+    again = [torch.Generator().manual_seed(1000 + i) for i in range(n)]
+    assert torch.equal(Sampler(seed=7)(z.expand(n, -1), _rows([0.8] * n, again, top_k=5)), tokens)
+
+
+@pytest.mark.assignment(SAMPLER)
+def test_a_seeded_request_does_not_depend_on_its_batch():
+    """The same seeded request, step after step, alone or among other rows (seeded, unseeded,
+    greedy, filtered), at any place in the batch and under any shared seed: the same tokens."""
+    vocab, steps = 50, 6
+    mine = [_logits(vocab, seed=10 + s) for s in range(steps)]  # the request's logits per step
+
+    def run(neighbours_before: int, neighbours_after: int, shared_seed: int, top_k=None):
+        own = torch.Generator().manual_seed(1234)
+        other_gen = torch.Generator().manual_seed(99)
+        sampler, tokens = Sampler(seed=shared_seed), []
+        for step in range(steps):
+            n = neighbours_before + 1 + neighbours_after
+            logits = _logits(n, vocab, seed=100 * shared_seed + step)
+            logits[neighbours_before] = mine[step]
+            temps = [0.0 if r % 3 == 0 else 1.0 + r / 4 for r in range(n)]
+            temps[neighbours_before] = 0.9
+            generators = [other_gen if r % 2 else None for r in range(n)]
+            generators[neighbours_before] = own
+            out = sampler(logits, _rows(temps, generators, top_k=top_k, vocab=vocab))
+            tokens.append(int(out[neighbours_before]))
+        return tokens
+
+    alone = run(0, 0, shared_seed=0)
+    assert run(3, 4, shared_seed=1) == alone
+    assert run(6, 0, shared_seed=2) == alone
+    assert run(0, 9, shared_seed=3, top_k=vocab) == alone  # the filter path, a no-op filter
+    assert len(set(alone)) > 1  # really sampled
+
+
+@pytest.mark.assignment(SAMPLER)
+def test_greedy_rows_take_the_argmax_among_sampled_rows_in_any_dtype():
+    logits = _logits(16, 100, seed=20).bfloat16()
+    temps = [0.0 if r % 2 else 1.5 for r in range(16)]
+    tokens = Sampler(seed=0)(logits, _rows(temps, vocab=100))
+    assert tokens.dtype == torch.int64 and tokens.shape == (16,)
+    greedy = logits.float().argmax(-1)
+    assert torch.equal(tokens[1::2], greedy[1::2])
+    assert not torch.equal(tokens[0::2], greedy[0::2])  # 8 rows at T = 1.5: some differ
+    all_greedy = Sampler(seed=0)
+    state = all_greedy.generator.get_state()
+    assert torch.equal(all_greedy(logits, _rows([0.0] * 16, vocab=100)), greedy)
+    assert torch.equal(all_greedy.generator.get_state(), state)  # all greedy: nothing drawn
+
+
+def _reference_tokens(logits, temps, generators, shared):
+    """The documented noise stream, written row by row: one [B, V] draw from the shared
+    generator, each seeded row redrawn from its own; the token is argmax(p / E)."""
+    noise = torch.empty(logits.shape).exponential_(generator=shared)
+    tokens = []
+    for r, (row, t) in enumerate(zip(logits, temps)):
+        if generators[r] is not None:
+            noise[r] = torch.empty(logits.shape[1]).exponential_(generator=generators[r])
+        if t == 0:
+            tokens.append(int(row.argmax()))
+        else:
+            tokens.append(int(((row / t).softmax(-1) / noise[r]).argmax()))
+    return tokens
+
+
+@pytest.mark.assignment(SAMPLER)
+def test_the_noise_is_the_documented_stream():
+    """A seed must mean the same tokens in every implementation (the notebooks print them)."""
+    logits = _logits(7, 30, seed=30)
+    temps = [1.0, 0.0, 0.7, 1.3, 2.0, 0.0, 1.0]
+    seeds = [None, 5, 6, None, 7, None, 8]
+
+    def generators():
+        return [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
+
+    expected = _reference_tokens(logits, temps, generators(), torch.Generator().manual_seed(3))
+    tokens = Sampler(seed=3)(logits, _rows(temps, generators(), vocab=30))
+    assert tokens.tolist() == expected
+
+
+class _NoHostSync(torch.Tensor):
+    """A tensor that fails on every operation which, on a GPU, would make the host wait for
+    the device: reading a value (``item``, ``tolist``, ``bool``...), a copy to the host, or an
+    operation whose result size depends on the values (``nonzero``, boolean-mask indexing)."""
+
+    FORBIDDEN = {
+        torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
+        torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.numpy, torch.Tensor.cpu,
+        torch.nonzero, torch.Tensor.nonzero, torch.masked_select, torch.Tensor.masked_select,
+        torch.unique, torch.Tensor.unique, torch.Tensor.any, torch.Tensor.all,
+    }
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        index = args[1] if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) else None
+        parts = index if isinstance(index, tuple) else (index,)
+        if func in cls.FORBIDDEN or any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in parts
+        ):
+            raise AssertionError(f"{getattr(func, '__name__', func)} waits for the device")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.assignment(SAMPLER)
+def test_no_value_crosses_to_the_host():
+    logits = _logits(6, 40, seed=40).as_subclass(_NoHostSync)
+    temps = [0.0, 1.0, 0.5, 0.0, 2.0, 1.0]
+    generators = [None, torch.Generator().manual_seed(1), None, None, None,
+                  torch.Generator().manual_seed(2)]
+    params = _rows(temps, generators, top_k=10, vocab=40)
+    params.temperatures = params.temperatures.as_subclass(_NoHostSync)
+    params.top_k, params.top_p, params.min_p = (
+        t.as_subclass(_NoHostSync) for t in (params.top_k, params.top_p, params.min_p))
+    tokens = Sampler(seed=0)(logits, params).as_subclass(torch.Tensor)
+    assert tokens.shape == (6,)
+    with pytest.raises(AssertionError, match="waits for the device"):  # the detector works
+        bool(params.temperatures[0] > 0)
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +253,7 @@ def llm(smollm2_dir):
     return LLM(smollm2_dir)
 
 
+@pytest.mark.assignment(*ENGINE, "01.filter_logits")
 def test_seeded_request_is_reproducible_whatever_the_batch(llm):
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16)
     alone = llm.generate(["Tell me a story"], seeded, use_tqdm=False)[0].token_ids

@@ -99,6 +99,8 @@ def test_a_buffer_of_the_wrong_shape_or_a_field_of_three_dimensions_is_refused()
 
 # -- the plan ModelRunner.prepare builds -------------------------------------------------------
 BS = 16
+# what these tests reach: the runner's packing, and the block manager for the sequences' blocks
+PREPARE = ("04.prepare", "04.allocate", "04.free")
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +122,7 @@ def _sequence(engine, num_tokens: int, computed: int):
     return seq
 
 
+@pytest.mark.assignment(*PREPARE)
 def test_prepare_names_each_field_and_a_worker_decodes_the_same_step(engine):
     chunk = _sequence(engine, 40, 0)  # a prompt's first 20 tokens: nothing sampled
     decode = _sequence(engine, 20, 19)
@@ -163,6 +166,7 @@ def test_prepare_names_each_field_and_a_worker_decodes_the_same_step(engine):
         engine.block_manager.free(seq)
 
 
+@pytest.mark.assignment(*PREPARE)
 def test_the_names_cost_the_message_little(engine):
     """What a worker receives is the two buffers and a few hundred bytes of names and
     shapes: no per-field arrays, whose pickled headers would grow every step's message."""

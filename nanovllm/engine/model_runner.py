@@ -36,8 +36,16 @@ from nanovllm.engine.kv_cache import (
 )
 from nanovllm.engine.sampling_metadata import SamplingInputs
 from nanovllm.engine.scheduler_output import SchedulerOutput
-from nanovllm.engine.sequence import PLACEHOLDER, Sequence
-from nanovllm.engine.step import InFlight, PackedArrays, PreparedBatch, StepPlan
+from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.step import (
+    INT_FIELDS,
+    LONG_FIELDS,
+    InFlight,
+    PackedArrays,
+    PreparedBatch,
+    StepPlan,
+    pack_step,
+)
 from nanovllm.layers.attention import Attention, building_with
 from nanovllm.layers.attention_backends import select_backend
 from nanovllm.layers.fused import set_fused_kernels
@@ -176,60 +184,24 @@ class ModelRunner:
 
     # -- one step ------------------------------------------------------------------------
     def prepare(self, batch: SchedulerOutput) -> PreparedBatch:
-        """Pack the batch's new tokens, decodes first, into model inputs."""
-        order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1)
-        input_ids, positions, slots, cu_q, lens_k, tables = [], [], [], [0], [], []
-        logit_rows, sample_from, sample_seqs = [-1] * len(batch), [], []
-        patch_at, patch_from = [], []  # placeholder tokens: where, and which sampled row
-        prompt_logprobs = []
-        bs = self.block_size
-        for i in order:
-            seq, n = batch.seqs[i], batch.num_new_tokens[i]
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            if seq.token_ids[end - 1] == PLACEHOLDER:  # sampled by the step still in flight
-                patch_at.append(len(input_ids) + n - 1)
-                patch_from.append(self._in_flight_rows[seq.seq_id])
-            table = seq.block_table
-            if n == 1:  # a decode (most rows of most steps): no slices, no ranges
-                input_ids.append(seq.token_ids[start])
-                positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
-            else:
-                input_ids += seq.token_ids[start:end]
-                positions += range(start, end)
-                slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
-                scored = list(range(start, min(end, seq.num_prompt_tokens - 1)))
-                prompt_logprobs.append((seq, cu_q[-1], scored, seq.params.prompt_logprobs))
-            cu_q.append(cu_q[-1] + n)
-            lens_k.append(end)
-            tables.append(table)
-            if end == seq.num_tokens:
-                logit_rows[i] = len(sample_from)
-                sample_from.append(cu_q[-1] - 1)
-                sample_seqs.append(seq)
-        width = max(map(len, tables))
-        padded = np.full((len(tables), width), -1, dtype=np.int32)
-        for row, table in enumerate(tables):
-            padded[row, : len(table)] = table
+        """Pack the batch's new tokens, decodes first, into model inputs on the device: the
+        layout is ``pack_step``'s (chapter 04 §1.3), copied in one buffer per dtype."""
+        packed = pack_step(batch.seqs, batch.num_new_tokens, self.block_size,
+                           self._in_flight_rows)
         plan = StepPlan(
-            longs=PackedArrays.pack(
-                np.int64, input_ids=input_ids, positions=positions, slot_mapping=slots,
-                sample_indices=sample_from, patch_targets=patch_at, patch_sources=patch_from,
-            ),
-            ints=PackedArrays.pack(np.int32, cu_seqlens_q=cu_q, seq_lens_k=lens_k,
-                                   block_tables=padded),
+            longs=PackedArrays.pack(np.int64, **{name: packed[name] for name in LONG_FIELDS}),
+            ints=PackedArrays.pack(np.int32, **{name: packed[name] for name in INT_FIELDS}),
             max_seqlen_q=max(batch.num_new_tokens),
             num_decodes=sum(1 for n in batch.num_new_tokens if n == 1),
-            prompt_rows=[(first, len(scored)) for _, first, scored, _ in prompt_logprobs],
+            prompt_rows=[(first, len(pos)) for _, first, pos, _ in packed["prompt_logprobs"]],
         )
         longs, meta = self._materialize(plan)
         input_ids = longs["input_ids"]
-        if patch_at:  # the previous step's tokens never visit the CPU on their way here
+        if plan.has_patches:  # the previous step's tokens never visit the CPU on their way here
             input_ids[longs["patch_targets"]] = self._in_flight_tokens[longs["patch_sources"]]
         return PreparedBatch(
-            plan, input_ids, longs["positions"], meta, longs["sample_indices"], sample_seqs,
-            logit_rows, prompt_logprobs,
+            plan, input_ids, longs["positions"], meta, longs["sample_indices"],
+            packed["sample_seqs"], packed["logit_rows"], packed["prompt_logprobs"],
         )
 
     def _materialize(self, plan: StepPlan) -> tuple[dict[str, torch.Tensor], AttentionMetadata]:

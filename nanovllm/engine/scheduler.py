@@ -276,7 +276,7 @@ class Scheduler:
         samples; then write ``landed``'s sampled tokens over theirs. Returns the indices
         (into ``landed.step.seqs``, ascending) of the tokens written.
 
-        Handout (chapter 11 §4, async scheduling: the placeholder protocol). ``launched``
+        Handout (chapter 11 §4.2, async scheduling: the placeholder protocol). ``launched``
         is the step just queued on the device; ``landed`` the step whose tokens reached the
         host: the same step without async scheduling, the one before it with it (its
         ``step`` was launched by the previous call), or None. Do ``launched`` first.

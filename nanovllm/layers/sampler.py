@@ -60,35 +60,60 @@ def filter_logits(
     # <<< assignment 01.filter_logits
 
 
-def exponential_noise(
-    shape: torch.Size, generators: list, device: torch.device, shared: torch.Generator
-) -> torch.Tensor:
-    """Exp(1) noise: one draw for the whole batch, then seeded rows redrawn from their own."""
-    noise = torch.empty(shape, device=device).exponential_(generator=shared)
-    for row, gen in enumerate(generators):
-        if gen is not None:
-            noise[row].exponential_(generator=gen)
-    return noise
-
-
 class Sampler(nn.Module):
+    """Samples one token per row; owns the generator shared by the unseeded rows."""
+
     def __init__(self, seed: int = 0, device: str | torch.device = "cpu") -> None:
         super().__init__()
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def forward(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+        """One token per row of ``logits``, each row under its own settings.
+
+        Handout (chapter 01 §2.3, assignment ``01.sampler``). ``logits`` is ``[B, V]`` on any
+        device, any float dtype (work in fp32); ``params`` holds per-row tensors on the same
+        device (``SamplingTensors``). Return ``[B]`` int64 token ids on that device.
+
+        - A row with temperature 0 is greedy: its token is the arg-max of its logits, whatever
+          the other rows do. When ``params.all_greedy`` is set, no random number is drawn.
+        - Every other row divides its logits by its temperature, applies ``filter_logits``
+          (only when ``params.any_filter``; it takes the per-row ``top_k``, ``top_p``,
+          ``min_p``) and samples from the softmax of what remains with the exponential race
+          of §2.3: the token is ``argmax(p_i / E_i)`` over the vocabulary, with ``E_i ~ Exp(1)``
+          (a filtered token, ``p_i = 0``, never wins).
+        - The noise, exactly (so that a seed means the same tokens as the reference): one
+          ``exponential_`` of the whole ``[B, V]`` from the shared ``self.generator``; then
+          every row whose ``params.generators[row]`` is not None (a request with a ``seed``)
+          is redrawn in place with one ``exponential_`` of its ``V`` values from that
+          generator. So a seeded row draws ``V`` numbers per call from its own stream and its
+          token depends only on its own logits, settings and generator: never on which rows
+          share the batch or where it sits (vLLM's semantics). Greedy rows may draw noise too.
+        - No host synchronisation: this runs on the GPU every step while the CPU prepares
+          the next one. Read no device value on the host (no ``.item()``, ``.tolist()``,
+          ``if tensor``, or boolean-mask indexing, whose result size the host must wait
+          for); pick per row with tensor operations instead. ``all_greedy``, ``any_filter``
+          and ``generators`` are host values: branch on those freely.
+        """
+        # >>> assignment 01.sampler (8 points)
         logits = logits.float()
         greedy = logits.argmax(dim=-1)
         if params.all_greedy:
             return greedy
         temps = params.temperatures
+        # Greedy rows divide by 1 (not 0) and take the arg-max below: no branch on the device.
         scaled = logits / torch.where(temps > 0, temps, 1.0)[:, None]
         if params.any_filter:
             scaled = filter_logits(scaled, params.top_k, params.top_p, params.min_p)
         probs = scaled.softmax(dim=-1)
-        noise = exponential_noise(probs.shape, params.generators, probs.device, self.generator)
+        # Exp(1) noise: one draw for the whole batch, then seeded rows redrawn from their own
+        # generators, so that a seeded row's noise does not depend on its neighbours.
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, generator in enumerate(params.generators):
+            if generator is not None:
+                noise[row].exponential_(generator=generator)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(temps > 0, sampled, greedy)
+        # <<< assignment 01.sampler
 
 
 def compute_logprobs(
