@@ -49,8 +49,8 @@ HEADLINES: dict[str, Headline] = {
     # A device-to-device copy, bytes read + written: the ceiling every memory-bound kernel and
     # every bandwidth bound in the book is measured against (chapters 02, 05, 07, 08, 11).
     "h200_copy_bytes_per_s": Headline(
-        "bench_decode_h200.json", "copy_bytes_per_s", "B/s",
-        "python -m nanovllm.benchmarks.decode_kernel"),
+        "peaks_h200.json", "copy_bytes_per_s", "B/s",
+        "python -m nanovllm.benchmarks.peaks"),
     # bf16 8192^3 torch.matmul: the compute roof (chapters 02, 05, 08, 11).
     "h200_bf16_matmul_flops": Headline(
         "peaks_h200.json", "bf16_matmul_flops_per_s", "FLOP/s",
@@ -59,7 +59,7 @@ HEADLINES: dict[str, Headline] = {
 
 # Quantities whose record has not been measured yet: the value the chapters quote until it is,
 # stated as unrecorded wherever it is printed. Remove an entry when its record lands.
-PENDING = {"h200_bf16_matmul_flops": 780e12}
+PENDING: dict[str, float] = {}
 
 
 def headline(name: str) -> float:
