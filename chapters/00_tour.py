@@ -26,7 +26,19 @@
 # its component correct and measures what it buys. This first chapter is the tour: we run the
 # finished engine on a real model, look at what it returns, peek at its internals, draw the map of
 # the package and of the book, and measure the one effect that makes engines worth writing.
-#
+
+# %% [markdown]
+# **Taking this as a course?** In a student edition (`make student`) some functions of the
+# package are yours to write: each holds `raise NotImplementedError("assignment 04.allocate: ...")`
+# between two `# >>> assignment` / `# <<< assignment` markers, under a docstring that is the handout.
+# Take the chapters in order; each ends with an *Assignments* cell that lists its assignments, their
+# points and whether each is still a `stub`, then practice exercises. Until a chapter's assignments
+# are written, cells that run the engine stop on the first stub (this tour runs the whole engine, so
+# read it now and run it again once chapters 01–04 and 06 are done). `make check CHAPTERS=NN` runs the
+# public tests of chapter NN's assignments with the first failure of each; the README's *Start here*
+# has the rest.
+
+# %% [markdown]
 # ## 0.1 Why `model.generate` is not enough
 #
 # Generating text from one prompt is a short loop: run the model on the tokens so far, pick a next

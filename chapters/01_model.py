@@ -1702,10 +1702,10 @@ for i, position in overruled[:3]:
 # %% [markdown]
 # ## Assignments
 #
-# In the course edition of this book (`make student`; see `chapters/INSTRUCTORS.md`) you write
+# In the course edition of this book (`make student`; see the README's *Start here*) you write
 # these parts of the package yourself: RMSNorm, the rotary embedding's rotation, and the top-k /
 # top-p / min-p filter of the sampler. Each function's docstring is the handout; the project's
-# tests grade your code (`make grade STUDENT=<your folder>`), and once they pass this notebook
+# tests grade your code (`make check CHAPTERS=01` in your edition), and once they pass this notebook
 # runs on your own engine.
 
 # %%

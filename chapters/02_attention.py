@@ -1174,10 +1174,10 @@ print(f"FlashAttention-4 is {min(r['ratio'] for r in fa_prefill):.1f}-"
 # %% [markdown]
 # ## Assignments
 #
-# In the course edition of this book (`make student`; see `chapters/INSTRUCTORS.md`) you write
+# In the course edition of this book (`make student`; see the README's *Start here*) you write
 # these parts of the package yourself: the PyTorch attention with its shifted causal mask, and the
 # loop that runs a packed batch of decodes and prefill chunks. Each function's docstring is the
-# handout; the project's tests grade your code (`make grade STUDENT=<your folder>`), and once they
+# handout; the project's tests grade your code (`make check CHAPTERS=02` in your edition), and once they
 # pass this notebook runs on your own engine.
 
 # %%

@@ -802,10 +802,10 @@ for size in (1, 8, 16, 32, 64, 256, 1024):
 # %% [markdown]
 # ## Assignments
 #
-# In the course edition of this book (`make student`; see `chapters/INSTRUCTORS.md`) you write
+# In the course edition of this book (`make student`; see the README's *Start here*) you write
 # these parts of the package yourself: the store of new keys and values into their cache slots,
 # and batched decode attention over each sequence's cached tokens. Each function's docstring is
-# the handout; the project's tests grade your code (`make grade STUDENT=<your folder>`), and once
+# the handout; the project's tests grade your code (`make check CHAPTERS=03` in your edition), and once
 # they pass this notebook runs on your own engine.
 
 # %%

@@ -1150,11 +1150,11 @@ print(f"paging alone saves {1 - p_off / c_max:.1%} vs max_model_len buffers and 
 # %% [markdown]
 # ## Assignments
 #
-# In the course edition of this book (`make student`; see `chapters/INSTRUCTORS.md`) you write
+# In the course edition of this book (`make student`; see the README's *Start here*) you write
 # these parts of the package yourself: the block manager's three decisions: which cached blocks a
 # new prompt can reuse, how a step's blocks are allocated, and how they are released. Each
-# function's docstring is the handout; the project's tests grade your code (`make grade
-# STUDENT=<your folder>`), and once they pass this notebook runs on your own engine.
+# function's docstring is the handout; the project's tests grade your code (`make check
+# CHAPTERS=04` in your edition), and once they pass this notebook runs on your own engine.
 
 # %%
 # NBVAL_CHECK_OUTPUT

@@ -798,11 +798,11 @@ print(f"batch 1: ours takes {min(r['ratio'] for r in single):.2f}-"
 # %% [markdown]
 # ## Assignments
 #
-# In the course edition of this book (`make student`; see `chapters/INSTRUCTORS.md`) you write
+# In the course edition of this book (`make student`; see the README's *Start here*) you write
 # these parts of the package yourself: the merge of split-KV partials, as a Triton kernel (the
 # tests run it under the Triton interpreter, so no GPU is needed), and the rule that picks the
 # number of splits. Each function's docstring is the handout; the project's tests grade your code
-# (`make grade STUDENT=<your folder>`), and once they pass this notebook runs on your own engine.
+# (`make check CHAPTERS=05` in your edition), and once they pass this notebook runs on your own engine.
 
 # %%
 # NBVAL_CHECK_OUTPUT

@@ -972,10 +972,10 @@ print(f"{len(by_step)} engine steps, {shared} of them served alice and bob toget
 # %% [markdown]
 # ## Assignments
 #
-# In the course edition of this book (`make student`; see `chapters/INSTRUCTORS.md`) you write
+# In the course edition of this book (`make student`; see the README's *Start here*) you write
 # these parts of the package yourself: how much of a sequence fits a step, what preemption does,
 # and the fair policy's order. Each function's docstring is the handout; the project's tests grade
-# your code (`make grade STUDENT=<your folder>`), and once they pass this notebook runs on your
+# your code (`make check CHAPTERS=06` in your edition), and once they pass this notebook runs on your
 # own engine.
 
 # %%

@@ -795,10 +795,10 @@ else:
 # %% [markdown]
 # ## Assignments
 #
-# In the course edition of this book (`make student`; see `chapters/INSTRUCTORS.md`) you write
+# In the course edition of this book (`make student`; see the README's *Start here*) you write
 # these parts of the package yourself: which batch sizes get a graph, and how a batch is copied
 # and padded into the static buffers. Each function's docstring is the handout; the project's
-# tests grade your code (`make grade STUDENT=<your folder>`), and once they pass this notebook
+# tests grade your code (`make check CHAPTERS=07` in your edition), and once they pass this notebook
 # runs on your own engine.
 
 # %%

@@ -1366,12 +1366,12 @@ print(f"chapter run time so far: {time.perf_counter() - chapter_start:.0f} s")
 # %% [markdown]
 # ## Assignments
 #
-# In the course edition of this book (`make student`; see `chapters/INSTRUCTORS.md`) you write
+# In the course edition of this book (`make student`; see the README's *Start here*) you write
 # these parts of the package yourself: the per-output-channel int8 scales and rounding
 # (section 2), the W8A16 dequantize-and-multiply of the torch path (section 3), and the
 # per-row e4m3 quantization that fp8 W8A8 applies to every token (section 5.2). Each
 # function's docstring is the handout; the project's tests grade your code
-# (`make grade STUDENT=<your folder>`), and once they pass this notebook runs on your own
+# (`make check CHAPTERS=08` in your edition), and once they pass this notebook runs on your own
 # engine.
 
 # %%

@@ -773,12 +773,12 @@ print(f"chapter run time so far: {time.perf_counter() - chapter_start:.0f} s")
 # %% [markdown]
 # ## Assignments
 #
-# In the course edition of this book (`make student`; see `chapters/INSTRUCTORS.md`) you write
+# In the course edition of this book (`make student`; see the README's *Start here*) you write
 # these parts of the package yourself: the column-parallel weight loader (this rank's rows,
 # section 2), the row-parallel weight loader (this rank's columns; the bias whole), and the
 # vocab-parallel embedding's lookup with several ranks (mask, clamp, embed, all-reduce;
 # section 4). Each function's docstring is the handout; the project's tests grade your code
-# (`make grade STUDENT=<your folder>`): unit tests that simulate the ranks in one process as
+# (`make check CHAPTERS=09` in your edition): unit tests that simulate the ranks in one process as
 # section 5 does, and the engine at TP=2 and TP=3 on CPU.
 
 # %%

@@ -544,10 +544,10 @@ for run in tp["engines"]:
 # %% [markdown]
 # ## Assignments
 #
-# In the course edition of this book (`make student`; see `chapters/INSTRUCTORS.md`) you write
+# In the course edition of this book (`make student`; see the README's *Start here*) you write
 # this part of the package yourself: the token bucket's refill, which every rate limit of the
 # server relies on. The function's docstring is the handout; the project's tests grade your
-# code on a fake clock (`make grade STUDENT=<your folder>`), and once they pass this notebook
+# code on a fake clock (`make check CHAPTERS=10` in your edition), and once they pass this notebook
 # runs on your own server.
 
 # %%

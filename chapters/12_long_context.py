@@ -761,7 +761,7 @@ print(f"chapter run time so far: {time.perf_counter() - chapter_start:.0f} s")
 # %% [markdown]
 # ## Assignments
 #
-# In the course edition (`make student`; see `chapters/INSTRUCTORS.md`) you write two pieces:
+# In the course edition (`make student`; see the README's *Start here*) you write two pieces:
 #
 # - Mistral's window mask, `sliding_window_mask` in `nanovllm/layers/torch_attention.py`
 #   (section 5): the torch backend's windowed attention is built on it, so the Mistral parity

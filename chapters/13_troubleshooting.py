@@ -759,10 +759,10 @@ print(f"chapter run time so far: {time.perf_counter() - chapter_start:.0f} s")
 # %% [markdown]
 # ## Assignments
 #
-# In the course edition (`make student`; see `chapters/INSTRUCTORS.md`) you write the heart of
+# In the course edition (`make student`; see the README's *Start here*) you write the heart of
 # the leak check, `check_refcounts` (section 1): count each block's holders and report every
 # block whose reference count disagrees, naming the requests. Its docstring is the handout;
-# the project's tests grade it (`make grade STUDENT=<your folder>`), including the planted
+# the project's tests grade it (`make check CHAPTERS=13` in your edition), including the planted
 # leak of section 2.
 
 # %%

@@ -4,8 +4,10 @@ full marks; and, for a few assignments sampled per run, cutting that one region 
 its points (exactly the tests marked with it fail, on its stub).
 
 Grading here runs a fast subset of each chapter's graded tests (FAST); `make grade` runs them
-all. `python -m nanovllm.course.audit` checks the other direction of the marks (every test
-carries all the ids its code reaches); it takes longer and is run by hand.
+all. `python -m nanovllm.course.audit --repo .` checks the other direction of the marks (every
+test carries all the ids its code reaches); it takes longer and is run by hand. The tricks a
+student could try on the grader are tests/test_course_tricks.py; the answer key's absence from
+editions and the book is tests/test_course_answer_key.py.
 The sample: NANOVLLM_COURSE_SAMPLE=all (or a comma-separated list of ids) overrides it; by
 default three assignments chosen by the date, so a rerun on the same day repeats them.
 """
@@ -16,11 +18,14 @@ import ast
 import datetime
 import os
 import random
+from pathlib import Path
 
 import pytest
 
 from nanovllm.course import grade, student
 from nanovllm.course.regions import cut_files, find_regions
+
+REPO = Path(__file__).resolve().parents[1]
 
 ASSIGNMENTS = {
     "01.rmsnorm": 5, "01.rope": 6, "01.filter_logits": 6,
@@ -62,7 +67,7 @@ FAST = [
 
 
 def _grade(root=None, chapters=None):
-    return grade.grade(root, FAST, timeout=300, chapters=chapters)
+    return grade.grade(root, REPO, FAST, timeout=300, chapters=chapters)
 
 
 def _tests(result):
@@ -88,32 +93,36 @@ def _sample() -> list[str]:
 
 
 def test_every_region_parses_when_cut():
-    regions = find_regions(grade.REPO / "nanovllm")
+    regions = find_regions(REPO / "nanovllm")
     assert {r.id: r.points for r in regions} == ASSIGNMENTS
-    for text in cut_files(regions, grade.REPO).values():  # all at once; cut_files also checks
+    for text in cut_files(regions, REPO).values():  # all at once; cut_files also checks
         ast.parse(text)
         assert "NotImplementedError" in text
 
 
 def test_student_edition_scores_zero_and_reaches_every_stub(tmp_path):
-    cut = student.build(tmp_path / "edition")
+    cut = student.build(tmp_path / "edition", REPO)
     assert sorted(r.id for r in cut) == sorted(ASSIGNMENTS)
     result = _grade(tmp_path / "edition")
     for report in result["chapters"].values():
-        assert report["status"] == "ok", report
-        assert report["nanovllm"].startswith(str(tmp_path / "edition"))
+        assert report["status"] == "ok" and not report["anomalies"], report
+        assert not report["nanovllm"].startswith(str(REPO))  # a spliced copy, elsewhere
+    assert {r["submission"] for r in result["assignments"]} == {"stub"}
     assert (result["total"], result["max"]) == (0, sum(ASSIGNMENTS.values()))
     for assignment in ASSIGNMENTS:
         assert _stubs_hit(result, assignment), f"no test reaches the stub of {assignment}"
     # the edition keeps the handouts; its notebooks are valid (not executed: stubs raise)
     text = (tmp_path / "edition/nanovllm/engine/block_manager.py").read_text()
-    assert "Handout (chapter 04 §3" in text and "# >>> assignment" not in text
+    assert "Handout (chapter 04 §3" in text
+    stub = '        raise NotImplementedError("assignment 04.free'
+    assert f"# >>> assignment 04.free (6 points)\n{stub}" in text  # the markers stay
     notebooks = list((tmp_path / "edition/chapters").glob("[0-9][0-9]_*.ipynb"))
     assert notebooks and all("# BEGIN SOLUTION" not in p.read_text() for p in notebooks)
     sources = list((tmp_path / "edition/chapters").glob("[0-9][0-9]_*.py"))
     assert sources and all("# BEGIN SOLUTION" not in p.read_text() for p in sources)
     notebook = (tmp_path / "edition/chapters/01_model.ipynb").read_text()
     assert 'NotImplementedError(\\"exercise 01.' in notebook
+    assert not (tmp_path / "edition/chapters/solutions").exists()
 
 
 @pytest.mark.parametrize("assignment", _sample())
@@ -123,7 +132,7 @@ def test_one_region_cut_costs_exactly_its_points(tmp_path, assignment):
     back: exactly the tests marked with that assignment fail (on its own stub for at least
     one), every other test passes, and that assignment scores 0. So no mark is spurious and
     no stub goes ungraded; all regions back is the reference (full marks, test below)."""
-    student.build(tmp_path / "edition", ids=[assignment])
+    student.build(tmp_path / "edition", REPO, ids=[assignment])
     result = _grade(tmp_path / "edition", chapters=[assignment[:2]])
     rows = {r["assignment"]: r for r in result["assignments"]}
     assert rows[assignment]["earned"] == 0 and rows[assignment]["total"] >= 2
@@ -136,7 +145,8 @@ def test_one_region_cut_costs_exactly_its_points(tmp_path, assignment):
 def test_the_reference_scores_full_marks():
     result = _grade()
     for report in result["chapters"].values():
-        assert report["nanovllm"].startswith(str(grade.REPO / "nanovllm"))
+        assert report["status"] == "ok" and not report["anomalies"], report
+        assert not report["nanovllm"].startswith(str(REPO))
     assert result["total"] == result["max"] == sum(ASSIGNMENTS.values())
     assert all(r["total"] >= 2 for r in result["assignments"]), result["assignments"]
 
@@ -149,9 +159,9 @@ def test_chapter_04_notebook_runs_on_a_filled_student_package(tmp_path, monkeypa
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     edition = tmp_path / "edition"
-    cut = student.build(edition, chapters=["04"])
+    cut = student.build(edition, REPO, chapters=["04"])
     for path in {r.file for r in cut}:  # the student's answers: the reference regions
-        relative = path.relative_to(grade.REPO)
+        relative = path.relative_to(REPO)
         assert "NotImplementedError" in (edition / relative).read_text()
         (edition / relative).write_text(path.read_text())
     nb = nbformat.read(edition / "chapters/04_block_manager.ipynb", as_version=4)

@@ -8,7 +8,8 @@ solutions never ship: they live in instructor-only notebooks, ``chapters/solutio
 (py:percent), one cell per exercise, tagged ``solution``: the chapter's cell with its solution
 between ``# BEGIN SOLUTION`` and ``# END SOLUTION`` where the chapter has the stub
 (:func:`strip_solutions` of the one must be the other). ``tests/test_exercises.py`` runs every
-solution against its check with ``nanovllm`` unimportable, and each check against its stub.
+solution against its check with ``nanovllm`` unimportable, and each check against its stub; in a
+student edition (no solutions folder) it runs the student's cells against their checks.
 """
 
 from __future__ import annotations
@@ -89,6 +90,9 @@ def chapter_exercises(path: Path) -> list[Exercise]:
         if check is None or "check" not in check.metadata.get("tags", []):
             raise ValueError(f"{path.name}: an exercise cell must be followed by its check cell")
         name = function_name(cell.source)
+        if not solutions_path.exists():  # a student edition: the chapter's cell is the answer
+            found.append(Exercise(f"{chapter}.{name}", cell.source, check.source, cell.source))
+            continue
         if "# BEGIN SOLUTION" in cell.source:
             raise ValueError(f"{path.name}: {name}'s solution belongs in {solutions_path}")
         if name not in solutions:

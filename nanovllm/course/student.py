@@ -8,7 +8,8 @@ and cuts the assignment regions of the chosen chapters (all by default; ``--chap
 keeps every other chapter's reference solution, so that week's notebook runs end to end once
 chapter 04 is filled in; ``--through`` cuts chapter 04 and every later one, so a week's edition
 does not ship the later weeks' answers). A cut region keeps its markers around the stub: the
-student writes between them, and the grader takes exactly that code.
+student writes between them, and the grader takes exactly that code. ``course.json`` lists the
+assignments cut; ``make check`` inside the edition runs their public tests.
 
 Never copied: the exercises' worked solutions (``chapters/solutions/``; the chapters hold only
 the stubs), ``chapters/INSTRUCTORS.md``, the private tests (listed in
@@ -20,10 +21,12 @@ without any output that prints reference code (:mod:`nanovllm.course.answer_key`
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 from pathlib import Path
 
 from nanovllm.course.answer_key import key_lines, scrub_notebook
+from nanovllm.course.check import EDITION_FILE
 from nanovllm.course.exercises import strip_notebook, strip_solutions
 from nanovllm.course.regions import Region, cut_files, find_regions, select
 
@@ -69,6 +72,12 @@ def build(out: Path, repo: Path, chapters=None, ids=None, through: bool = False)
     shutil.copytree(repo / "tests", out / "tests", ignore=ignore)
     regions = select(find_regions(repo / "nanovllm"), chapters, ids, through)
     cut_files(regions, repo, out)
+    listing = [
+        {"id": r.id, "points": r.points, "function": r.function,
+         "file": r.file.relative_to(repo).as_posix()}
+        for r in regions
+    ]  # fmt: skip
+    (out / EDITION_FILE).write_text(json.dumps({"assignments": listing}, indent=1) + "\n")
     return regions
 
 
