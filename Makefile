@@ -7,8 +7,9 @@
 #   make lint                   ruff + the .py/.ipynb pairing check
 #   make test-gpu               GPU tests + every chapter executed in lax mode (on a GPU machine)
 #   make bench [BENCH_ARGS=..]  python -m nanovllm.benchmarks.throughput
-#   make student [CHAPTERS=04]  student edition in dist/student (STUDENT_OUT=...)
-#   make grade [STUDENT=path]   grade a student's package with these tests
+#   make student [CHAPTERS=04 [THROUGH=1]]  student edition in dist/student (STUDENT_OUT=...)
+#   make check [CHAPTERS=04]    in an edition: the public tests of each assignment, readable
+#   make grade [STUDENT=path]   grade a student's regions with these tests (chapters/INSTRUCTORS.md)
 #   make book                   the rendered book (HTML) in build/book/_build/html (book/)
 #   make browser                Chromium from the system packages, for tests/test_book.py
 #   make clean                  caches and build leftovers (keeps .venv and the model cache)
@@ -34,6 +35,7 @@ PY ?= $(VENV)/bin/python
 CH ?=
 BENCH_ARGS ?=
 CHAPTERS ?=
+THROUGH ?=
 STUDENT_OUT ?= dist/student
 STUDENT ?=
 GRADE_JSON ?= dist/grade.json
@@ -55,11 +57,11 @@ CHAPTER_SOURCES = $(sort $(wildcard chapters/$(if $(CH),$(CH)_*,[0-9]*).py))
 NOTEBOOKS = $(wildcard chapters/[0-9]*.ipynb)
 NBVAL = --nbval-sanitize-with chapters/sanitize.cfg --nbval-current-env -p no:cacheprovider
 
-.PHONY: help demo test notebooks lint test-gpu bench clean distclean weights student grade
+.PHONY: help demo test notebooks lint test-gpu bench clean distclean weights student grade check
 .PHONY: book browser
 
 help:
-	@sed -n '4,14s/^# //p' $(firstword $(MAKEFILE_LIST))
+	@sed -n '4,15s/^# //p' $(firstword $(MAKEFILE_LIST))
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -119,12 +121,19 @@ bench: $(SETUP)
 	$(PY) -m nanovllm.benchmarks.throughput $(BENCH_ARGS)
 
 # The course (nanovllm/course, chapters/INSTRUCTORS.md): cut the assignment regions of CHAPTERS
-# (all by default) into a student edition; grade a student's copy with this repo's tests.
+# (all by default; THROUGH=1: CHAPTERS and every later chapter) into a student edition; grade a
+# student's regions with this repo's tests (every path explicit: the tools never guess the repo);
+# check: inside an edition, run the public tests of its assignments.
 student: $(SETUP)
-	$(PY) -m nanovllm.course.student --out $(STUDENT_OUT) $(if $(CHAPTERS),--chapters $(CHAPTERS))
+	$(PY) -m nanovllm.course.student --repo $(CURDIR) --out $(STUDENT_OUT) \
+	  $(if $(CHAPTERS),--chapters $(CHAPTERS)) $(if $(THROUGH),--through)
 
 grade: weights
-	$(PY) -m nanovllm.course.grade $(if $(STUDENT),--student $(STUDENT)) --json $(GRADE_JSON)
+	$(PY) -m nanovllm.course.grade --repo $(CURDIR) $(if $(STUDENT),--student $(STUDENT)) \
+	  $(if $(CHAPTERS),--chapters $(CHAPTERS)) --json $(GRADE_JSON)
+
+check: weights
+	$(PY) -m nanovllm.course.check --root $(CURDIR) $(if $(CHAPTERS),--chapters $(CHAPTERS))
 
 # The book: stage book/ and the executed chapters (nanovllm/viz/book.py fills the chapter map and
 # the runtime table from the notebooks' metadata), then render the committed outputs; nothing

@@ -26,7 +26,19 @@
 # its component correct and measures what it buys. This first chapter is the tour: we run the
 # finished engine on a real model, look at what it returns, peek at its internals, draw the map of
 # the package and of the book, and measure the one effect that makes engines worth writing.
-#
+
+# %% [markdown]
+# **Taking this as a course?** In a student edition (`make student`) some functions of the package
+# are yours to write: each holds `raise NotImplementedError("assignment 04.allocate: ...")` between
+# two `# >>> assignment` / `# <<< assignment` markers, under a docstring that is the handout. Take
+# the chapters in order; each ends with an *Assignments* cell that lists its assignments, their
+# points and whether each is still a `stub`, then practice exercises. Until a chapter's assignments
+# are written, cells that run the engine stop on the first stub (this tour runs the whole engine, so
+# read it now and run it again once the assignments on the engine's path are done: chapters 01–04,
+# 06 and 11's `11.placeholders`). `make check CHAPTERS=NN` runs the public tests of chapter NN's
+# assignments with the first failure of each; the README's *Start here* has the rest.
+
+# %% [markdown]
 # ## 1. Why `model.generate` is not enough
 #
 # Generating text from one prompt is a short loop: run the model on the tokens so far, pick a next
@@ -566,8 +578,8 @@ plt.show()
 # %% [markdown]
 # ## Exercises
 #
-# Each exercise is a function to complete (the solution is included between the `BEGIN SOLUTION`
-# and `END SOLUTION` lines; try it yourself first) followed by a cell that checks it. The checks
+# Each exercise is a function to complete (replace its `raise NotImplementedError`) followed by
+# a cell that checks it; until you do, the check stops on that stub. The checks
 # do not use the package: they build their own inputs and compare with values frozen in the
 # check or with a reference written differently.
 #
@@ -581,12 +593,10 @@ plt.show()
 # %% tags=["exercise"]
 def count_new_tokens(outputs) -> int:
     """Total number of generated tokens over every completion of every request."""
-    # BEGIN SOLUTION
-    return sum(len(c.token_ids) for out in outputs for c in out.outputs)
-    # END SOLUTION
+    raise NotImplementedError("exercise 00.count_new_tokens")
 
 
-# %% tags=["check"]
+# %% tags=["check", "raises-exception"]
 import random
 from types import SimpleNamespace
 
@@ -632,19 +642,10 @@ print("Exercise 1 passed: count_new_tokens counts every completion of 50 random 
 # %% tags=["exercise"]
 def chatml_prompt(messages: list[dict]) -> str:
     """SmolLM2's chat layout of `messages`, ready for the assistant's answer."""
-    # BEGIN SOLUTION
-    default_system = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
-    parts = []
-    if not messages or messages[0]["role"] != "system":
-        parts.append(f"<|im_start|>system\n{default_system}<|im_end|>\n")
-    for m in messages:
-        parts.append(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n")
-    parts.append("<|im_start|>assistant\n")
-    return "".join(parts)
-    # END SOLUTION
+    raise NotImplementedError("exercise 00.chatml_prompt")
 
 
-# %% tags=["check"]
+# %% tags=["check", "raises-exception"]
 import random
 
 # frozen: SmolLM2's tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
@@ -700,19 +701,10 @@ print(f"Exercise 2 passed: chatml_prompt matches the chat template on {len(froze
 # %% tags=["exercise"]
 def invalid_settings(settings: list[dict]) -> list[int]:
     """Indices of the settings that SamplingParams would reject, in increasing order."""
-    # BEGIN SOLUTION
-    def ok(s: dict) -> bool:
-        return (s.get("temperature", 1.0) >= 0
-                and (s.get("top_k", -1) == -1 or s.get("top_k", -1) >= 1)
-                and 0 < s.get("top_p", 1.0) <= 1
-                and 0 <= s.get("min_p", 0.0) <= 1
-                and s.get("max_tokens", 64) >= 1)
-
-    return [i for i, s in enumerate(settings) if not ok(s)]
-    # END SOLUTION
+    raise NotImplementedError("exercise 00.invalid_settings")
 
 
-# %% tags=["check"]
+# %% tags=["check", "raises-exception"]
 import random
 
 # frozen: a few settings by hand, then every candidate value marked valid (True) or not (False)

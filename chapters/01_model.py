@@ -1722,10 +1722,10 @@ for i, position in overruled[:3]:
 # %% [markdown]
 # ## Assignments
 #
-# In the course edition of this book (`make student`; see `chapters/INSTRUCTORS.md`) you write
+# In the course edition of this book (`make student`; see the README's *Start here*) you write
 # these parts of the package yourself: RMSNorm, the rotary embedding's rotation, and the top-k /
 # top-p / min-p filter of the sampler. Each function's docstring is the handout; the project's
-# tests grade your code (`make grade STUDENT=<your folder>`), and once they pass this notebook
+# tests grade your code (`make check CHAPTERS=01` in your edition), and once they pass this notebook
 # runs on your own engine.
 
 # %%
@@ -1753,14 +1753,10 @@ import torch
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2, last dim) + eps) * weight, normalised in fp32."""
-    # BEGIN SOLUTION
-    x32 = x.float()
-    y = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return weight * y.to(x.dtype)
-    # END SOLUTION
+    raise NotImplementedError("exercise 01.rms_norm")
 
 
-# %% tags=["check"]
+# %% tags=["check", "raises-exception"]
 import math
 
 import torch
@@ -1815,17 +1811,10 @@ import torch
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotate the channel pairs (i, i + d/2) of x [T, H, d] by positions [T] * theta**(-2i/d)."""
-    # BEGIN SOLUTION
-    d = x.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
-    angles = positions.float()[:, None] * inv_freq[None, :]  # [T, d/2]
-    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
-    x1, x2 = x[..., : d // 2].float(), x[..., d // 2 :].float()
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-    # END SOLUTION
+    raise NotImplementedError("exercise 01.apply_rope")
 
 
-# %% tags=["check"]
+# %% tags=["check", "raises-exception"]
 import math
 
 import torch
@@ -1869,15 +1858,10 @@ import torch
 
 def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep each row's nucleus of probability top_p; the rest becomes -inf."""
-    # BEGIN SOLUTION
-    probs, order = logits.softmax(dim=-1).sort(dim=-1, descending=True)
-    drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
-    # END SOLUTION
+    raise NotImplementedError("exercise 01.top_p_filter")
 
 
-# %% tags=["check"]
+# %% tags=["check", "raises-exception"]
 import math
 
 import torch
@@ -1925,14 +1909,10 @@ import torch
 
 def gumbel_max_sample(logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One token id per row of logits [B, V], sampled from softmax(logits)."""
-    # BEGIN SOLUTION
-    probs = logits.float().softmax(dim=-1)
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return (probs / noise).argmax(dim=-1)
-    # END SOLUTION
+    raise NotImplementedError("exercise 01.gumbel_max_sample")
 
 
-# %% tags=["check"]
+# %% tags=["check", "raises-exception"]
 import torch
 
 gen = torch.Generator().manual_seed(104)
@@ -1965,15 +1945,10 @@ import torch
 def apply_repetition_penalty(logits: torch.Tensor, seen_token_ids: list[int],
                              penalty: float) -> torch.Tensor:
     """z / penalty where z > 0, else z * penalty, for the seen tokens of one row [V]."""
-    # BEGIN SOLUTION
-    seen = torch.zeros_like(logits, dtype=torch.bool)
-    seen[torch.tensor(seen_token_ids, dtype=torch.long)] = True
-    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
-    return torch.where(seen, penalised, logits)
-    # END SOLUTION
+    raise NotImplementedError("exercise 01.apply_repetition_penalty")
 
 
-# %% tags=["check"]
+# %% tags=["check", "raises-exception"]
 import torch
 
 # fixed inputs; expected values computed once with a float64 NumPy reference, then frozen
@@ -2019,13 +1994,10 @@ import torch
 
 def logprob_and_rank(logits: torch.Tensor, token: int) -> tuple[float, int]:
     """(log softmax(logits)[token], number of tokens with a logprob >= the token's)."""
-    # BEGIN SOLUTION
-    logprobs = logits.float().log_softmax(dim=-1)
-    return float(logprobs[token]), int((logprobs >= logprobs[token]).sum())
-    # END SOLUTION
+    raise NotImplementedError("exercise 01.logprob_and_rank")
 
 
-# %% tags=["check"]
+# %% tags=["check", "raises-exception"]
 import math
 
 import torch

@@ -1178,10 +1178,10 @@ print(f"FlashAttention-4 is {min(r['ratio'] for r in fa_prefill):.1f}-"
 # %% [markdown]
 # ## Assignments
 #
-# In the course edition of this book (`make student`; see `chapters/INSTRUCTORS.md`) you write
+# In the course edition of this book (`make student`; see the README's *Start here*) you write
 # these parts of the package yourself: the PyTorch attention with its shifted causal mask, and the
 # loop that runs a packed batch of decodes and prefill chunks. Each function's docstring is the
-# handout; the project's tests grade your code (`make grade STUDENT=<your folder>`), and once they
+# handout; the project's tests grade your code (`make check CHAPTERS=02` in your edition), and once they
 # pass this notebook runs on your own engine.
 
 # %%
@@ -1193,8 +1193,8 @@ print(assignment_table("02"))
 # %% [markdown]
 # ## Exercises
 #
-# Each exercise is a function to write (the solution is included between the `BEGIN SOLUTION`
-# and `END SOLUTION` lines; try it yourself first); the cell after it checks your version on
+# Each exercise is a function to write (replace its `raise NotImplementedError`); the cell after
+# it checks your version on
 # seeded random inputs against a reference written differently (PyTorch's `softmax`, a loop over
 # positions, float64 attention one sequence at a time), never against the package. The cells
 # are self-contained: run them in any order.
@@ -1213,21 +1213,10 @@ import torch
 
 def online_softmax(score_tiles: list[torch.Tensor]) -> torch.Tensor:
     """softmax(cat(score_tiles, dim=1), dim=1), with the row statistics found in one pass."""
-    # BEGIN SOLUTION
-    rows = score_tiles[0].shape[0]
-    m = torch.full((rows,), float("-inf"), dtype=score_tiles[0].dtype)
-    ell = torch.zeros(rows, dtype=score_tiles[0].dtype)
-    for s in score_tiles:
-        m_new = torch.maximum(m, s.max(dim=1).values)
-        # rows that have seen only -inf so far keep ell = 0; avoid exp(-inf - -inf) = nan
-        safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-        ell = ell * torch.exp(m - safe) + torch.exp(s - safe[:, None]).sum(dim=1)
-        m = m_new
-    return torch.cat([torch.exp(s - m[:, None]) / ell[:, None] for s in score_tiles], dim=1)
-    # END SOLUTION
+    raise NotImplementedError("exercise 02.online_softmax")
 
 
-# %% tags=["check"]
+# %% tags=["check", "raises-exception"]
 import torch
 
 gen = torch.Generator().manual_seed(201)
@@ -1261,12 +1250,10 @@ import torch
 
 def causal_mask(q_len: int, k_len: int) -> torch.Tensor:
     """[q_len, k_len] bool: query i, at position k_len - q_len + i, sees keys 0 .. that position."""
-    # BEGIN SOLUTION
-    return torch.ones(q_len, k_len, dtype=torch.bool).tril(diagonal=k_len - q_len)
-    # END SOLUTION
+    raise NotImplementedError("exercise 02.causal_mask")
 
 
-# %% tags=["check"]
+# %% tags=["check", "raises-exception"]
 import torch
 import torch.nn.functional as F
 
@@ -1312,13 +1299,10 @@ import torch
 
 def pack_varlen(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Lay the sequences end to end; cu_seqlens[b] = first row of sequence b (int32, B + 1)."""
-    # BEGIN SOLUTION
-    lengths = torch.tensor([0] + [len(s) for s in seqs], dtype=torch.int64)
-    return torch.cat(seqs, dim=0), lengths.cumsum(0).to(torch.int32)
-    # END SOLUTION
+    raise NotImplementedError("exercise 02.pack_varlen")
 
 
-# %% tags=["check"]
+# %% tags=["check", "raises-exception"]
 import torch
 import torch.nn.functional as F
 

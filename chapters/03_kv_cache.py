@@ -803,10 +803,10 @@ for size in (1, 8, 16, 32, 64, 256, 1024):
 # %% [markdown]
 # ## Assignments
 #
-# In the course edition of this book (`make student`; see `chapters/INSTRUCTORS.md`) you write
+# In the course edition of this book (`make student`; see the README's *Start here*) you write
 # these parts of the package yourself: the store of new keys and values into their cache slots,
 # and batched decode attention over each sequence's cached tokens. Each function's docstring is
-# the handout; the project's tests grade your code (`make grade STUDENT=<your folder>`), and once
+# the handout; the project's tests grade your code (`make check CHAPTERS=03` in your edition), and once
 # they pass this notebook runs on your own engine.
 
 # %%
@@ -831,15 +831,10 @@ print(assignment_table("03"))
 # %% tags=["exercise"]
 def kv_bytes_per_token(config: dict, dtype_bytes: int) -> int:
     """Bytes of K and V that one token occupies in the cache, over all layers."""
-    # BEGIN SOLUTION
-    heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    return 2 * config["num_hidden_layers"] * kv_heads * head_dim * dtype_bytes
-    # END SOLUTION
+    raise NotImplementedError("exercise 03.kv_bytes_per_token")
 
 
-# %% tags=["check"]
+# %% tags=["check", "raises-exception"]
 import math
 import random
 
@@ -901,16 +896,10 @@ print(f"Exercise 1 passed: kv_bytes_per_token on {len(frozen)} real model shapes
 # %% tags=["exercise"]
 def max_tokens_in_budget(budget_bytes: int, config: dict, dtype_bytes: int, block_size: int) -> int:
     """Tokens of KV cache that fit in budget_bytes, counting only whole blocks."""
-    # BEGIN SOLUTION
-    heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    per_block = 2 * config["num_hidden_layers"] * kv_heads * head_dim * dtype_bytes * block_size
-    return budget_bytes // per_block * block_size
-    # END SOLUTION
+    raise NotImplementedError("exercise 03.max_tokens_in_budget")
 
 
-# %% tags=["check"]
+# %% tags=["check", "raises-exception"]
 import random
 
 # frozen: the engine, started with kv_cache_memory=budget on these small models, allocated
@@ -966,12 +955,10 @@ print(f"Exercise 2 passed: max_tokens_in_budget on {len(frozen)} frozen engine c
 # %% tags=["exercise"]
 def contiguous_waste(lengths: list[int], max_len: int) -> float:
     """Empty fraction of the slots reserved when each request gets max_len of them."""
-    # BEGIN SOLUTION
-    return 1 - sum(lengths) / (len(lengths) * max_len)
-    # END SOLUTION
+    raise NotImplementedError("exercise 03.contiguous_waste")
 
 
-# %% tags=["check"]
+# %% tags=["check", "raises-exception"]
 import math
 import random
 
@@ -1001,13 +988,10 @@ print("Exercise 3 passed: contiguous_waste matches frozen values and a request-b
 # %% tags=["exercise"]
 def paged_waste(lengths: list[int], block_size: int) -> float:
     """Empty fraction of the slots reserved when each request gets whole blocks."""
-    # BEGIN SOLUTION
-    reserved = sum(-(-n // block_size) * block_size for n in lengths)
-    return 1 - sum(lengths) / reserved
-    # END SOLUTION
+    raise NotImplementedError("exercise 03.paged_waste")
 
 
-# %% tags=["check"]
+# %% tags=["check", "raises-exception"]
 import math
 import random
 

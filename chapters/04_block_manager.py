@@ -1221,11 +1221,11 @@ print(f"paging alone saves {1 - p_off / c_max:.1%} vs max_model_len buffers and 
 # %% [markdown]
 # ## Assignments
 #
-# In the course edition of this book (`make student`; see `chapters/INSTRUCTORS.md`) you write
+# In the course edition of this book (`make student`; see the README's *Start here*) you write
 # these parts of the package yourself: the block manager's three decisions: which cached blocks a
 # new prompt can reuse, how a step's blocks are allocated, and how they are released. Each
-# function's docstring is the handout; the project's tests grade your code (`make grade
-# STUDENT=<your folder>`), and once they pass this notebook runs on your own engine.
+# function's docstring is the handout; the project's tests grade your code (`make check
+# CHAPTERS=04` in your edition), and once they pass this notebook runs on your own engine.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -1249,12 +1249,10 @@ print(assignment_table("04"))
 # %% tags=["exercise"]
 def slot_mapping(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
     """Flat cache slot of each token position in [start, end)."""
-    # BEGIN SOLUTION
-    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
-    # END SOLUTION
+    raise NotImplementedError("exercise 04.slot_mapping")
 
 
-# %% tags=["check"]
+# %% tags=["check", "raises-exception"]
 import random
 
 # hand-worked: block_size 8, table [7, 2, 9]; positions 14, 15 are rows 6, 7 of block 2
@@ -1301,20 +1299,10 @@ import xxhash
 
 def chain_hashes(token_ids: list[int], block_size: int) -> list[int]:
     """[h_0, h_1, ...] for the full blocks of token_ids; h_i = xxh64(h_{i-1} bytes + block i)."""
-    # BEGIN SOLUTION
-    hashes, parent = [], None
-    for i in range(len(token_ids) // block_size):
-        h = xxhash.xxh64()
-        if parent is not None:
-            h.update(parent.to_bytes(8, "little"))
-        h.update(np.asarray(token_ids[i * block_size:(i + 1) * block_size], dtype="<i8").tobytes())
-        parent = h.intdigest()
-        hashes.append(parent)
-    return hashes
-    # END SOLUTION
+    raise NotImplementedError("exercise 04.chain_hashes")
 
 
-# %% tags=["check"]
+# %% tags=["check", "raises-exception"]
 import random
 import struct
 
@@ -1365,14 +1353,10 @@ print("Exercise 2 passed: chain_hashes matches frozen hashes and a struct-based 
 # %% tags=["exercise"]
 def free_blocks_taken(num_prompt_tokens: int, cached_ref_counts: list[int], block_size: int) -> int:
     """Blocks that leave the free list when the request is admitted with its cached prefix."""
-    # BEGIN SOLUTION
-    fresh = -(-num_prompt_tokens // block_size) - len(cached_ref_counts)
-    revived = sum(1 for count in cached_ref_counts if count == 0)
-    return fresh + revived
-    # END SOLUTION
+    raise NotImplementedError("exercise 04.free_blocks_taken")
 
 
-# %% tags=["check"]
+# %% tags=["check", "raises-exception"]
 import random
 
 # hand-worked (block_size 16): 33 tokens need 3 blocks

@@ -802,7 +802,7 @@ print(f"batch 1: ours takes {min(r['ratio'] for r in single):.2f}-"
 # %% [markdown]
 # ## Assignments
 #
-# In the course edition of this book (`make student`; see `chapters/INSTRUCTORS.md`) you write
+# In the course edition of this book (`make student`; see the README's *Start here*) you write
 # the two Triton kernels of the decode path yourself: the loop at the heart of
 # `_decode_split_kernel`, which walks a sequence's block table, loads its K/V tiles and runs the
 # online softmax (`05.decode_kernel`, sections 4-7), and the merge of the split-KV partials
@@ -810,7 +810,7 @@ print(f"batch 1: ours takes {min(r['ratio'] for r in single):.2f}-"
 # is needed: small random cases (GQA groups, partial last blocks, one key, empty rows, several
 # splits, a sliding window, fp16 and fp8 caches) against a float32 PyTorch reference. Each
 # function's docstring is the handout; the project's tests grade your code
-# (`make grade STUDENT=<your folder>`), and once they pass this notebook runs on your own engine.
+# (`make check CHAPTERS=05` in your edition), and once they pass this notebook runs on your own engine.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -870,32 +870,10 @@ import torch
 
 def paged_decode_one(q, k_cache, v_cache, block_table, seq_len, scale):
     """Decode attention of one sequence's query heads [H, D] over its paged history."""
-    # BEGIN SOLUTION
-    num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    out = torch.empty_like(q)
-    for kv_head in range(num_kv_heads):
-        q_g = q[kv_head * group:(kv_head + 1) * group]
-        m = torch.full((group,), float("-inf"), dtype=q.dtype)
-        l = torch.zeros(group, dtype=q.dtype)  # noqa: E741
-        acc = torch.zeros(group, head_dim, dtype=q.dtype)
-        for j in range(-(-seq_len // block_size)):
-            rows = min(block_size, seq_len - j * block_size)
-            block = int(block_table[j])
-            k, v = k_cache[block, :rows, kv_head], v_cache[block, :rows, kv_head]
-            s = (q_g @ k.T) * scale
-            m_new = torch.maximum(m, s.max(dim=1).values)
-            alpha, p = torch.exp(m - m_new), torch.exp(s - m_new[:, None])
-            l = l * alpha + p.sum(dim=1)  # noqa: E741
-            acc = acc * alpha[:, None] + p @ v
-            m = m_new
-        out[kv_head * group:(kv_head + 1) * group] = acc / l[:, None]
-    return out
-    # END SOLUTION
+    raise NotImplementedError("exercise 05.paged_decode_one")
 
 
-# %% tags=["check"]
+# %% tags=["check", "raises-exception"]
 import torch
 
 
@@ -945,14 +923,10 @@ import torch
 
 def merge_splits(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:  # noqa: E741
     """Log-sum-exp merge of split-KV partial states into the final output [H, D]."""
-    # BEGIN SOLUTION
-    m_max = m.max(dim=0).values
-    w = torch.exp(m - m_max)  # exp(-inf) = 0 for empty splits
-    return (w[..., None] * acc).sum(dim=0) / (w * l).sum(dim=0)[:, None]
-    # END SOLUTION
+    raise NotImplementedError("exercise 05.merge_splits")
 
 
-# %% tags=["check"]
+# %% tags=["check", "raises-exception"]
 import torch
 
 gen = torch.Generator().manual_seed(502)
@@ -987,14 +961,10 @@ print("Exercise 2 passed: merge_splits reproduces the softmax over all keys, emp
 # %% tags=["exercise"]
 def decode_call_bytes(batch, ctx, num_heads, num_kv_heads, head_dim, elem_bytes):
     """Bytes of K, V, q and out that one decode-attention call reads or writes."""
-    # BEGIN SOLUTION
-    kv = 2 * batch * ctx * num_kv_heads * head_dim * elem_bytes
-    q_and_out = 2 * batch * num_heads * head_dim * elem_bytes
-    return kv + q_and_out
-    # END SOLUTION
+    raise NotImplementedError("exercise 05.decode_call_bytes")
 
 
-# %% tags=["check"]
+# %% tags=["check", "raises-exception"]
 import random
 
 import torch

@@ -1032,10 +1032,10 @@ print(f"{len(by_step)} engine steps, {shared} of them served alice and bob toget
 # %% [markdown]
 # ## Assignments
 #
-# In the course edition of this book (`make student`; see `chapters/INSTRUCTORS.md`) you write
+# In the course edition of this book (`make student`; see the README's *Start here*) you write
 # these parts of the package yourself: admission under the token and sequence budgets, the
 # running sequences' loop with recompute preemption, and the fair policy's order. Each function's docstring is the handout; the project's tests grade
-# your code (`make grade STUDENT=<your folder>`), and once they pass this notebook runs on your
+# your code (`make check CHAPTERS=06` in your edition), and once they pass this notebook runs on your
 # own engine.
 
 # %%
@@ -1047,8 +1047,8 @@ print(assignment_table("06"))
 # %% [markdown]
 # ## Exercises
 #
-# Each exercise is a function to complete (the solution sits between the `BEGIN SOLUTION` and
-# `END SOLUTION` lines; try it yourself first), followed by a cell that checks it on hand-worked
+# Each exercise is a function to complete (replace its `raise NotImplementedError`), followed by
+# a cell that checks it on hand-worked
 # cases and seeded random inputs, without importing `nanovllm`.
 #
 # **Exercise 1 — shortest prompt first.** Write the policy `shortest_prompt_first(seqs, now)`:
@@ -1062,12 +1062,10 @@ print(assignment_table("06"))
 # %% tags=["exercise"]
 def shortest_prompt_first(seqs, now):
     """Shortest prompt first; ties: earlier arrival, then smaller seq_id."""
-    # BEGIN SOLUTION
-    return sorted(seqs, key=lambda s: (s.num_prompt_tokens, s.metrics.arrival_time, s.seq_id))
-    # END SOLUTION
+    raise NotImplementedError("exercise 06.shortest_prompt_first")
 
 
-# %% tags=["check"]
+# %% tags=["check", "raises-exception"]
 import random
 from types import SimpleNamespace
 
@@ -1110,15 +1108,10 @@ print("Exercise 1 passed: shortest_prompt_first orders by length, arrival, then 
 # %% tags=["exercise"]
 def ttft_tpot(arrival: float, token_times: list[float]) -> tuple[float, float | None]:
     """Time to first token and mean inter-token time after the first (None if < 2 tokens)."""
-    # BEGIN SOLUTION
-    ttft = token_times[0] - arrival
-    if len(token_times) < 2:
-        return ttft, None
-    return ttft, (token_times[-1] - token_times[0]) / (len(token_times) - 1)
-    # END SOLUTION
+    raise NotImplementedError("exercise 06.ttft_tpot")
 
 
-# %% tags=["check"]
+# %% tags=["check", "raises-exception"]
 import math
 import random
 from fractions import Fraction
@@ -1157,24 +1150,10 @@ print("Exercise 2 passed: ttft_tpot agrees with hand-worked cases and exact arit
 # %% tags=["exercise"]
 def chunk_plan(prompt_lens: list[int], budget: int) -> list[list[tuple[int, int]]]:
     """Per step, the (request index, tokens) pairs a FCFS chunked-prefill scheduler computes."""
-    # BEGIN SOLUTION
-    remaining = list(prompt_lens)
-    plan = []
-    while any(remaining):
-        step, left = [], budget
-        for i in range(len(remaining)):
-            if remaining[i] == 0 or left == 0:
-                continue
-            n = min(remaining[i], left)
-            step.append((i, n))
-            remaining[i] -= n
-            left -= n
-        plan.append(step)
-    return plan
-    # END SOLUTION
+    raise NotImplementedError("exercise 06.chunk_plan")
 
 
-# %% tags=["check"]
+# %% tags=["check", "raises-exception"]
 import random
 
 # hand-worked: budget 4 over prompts of 5, 3 and 7 tokens

@@ -796,14 +796,14 @@ else:
 # %% [markdown]
 # ## Assignments
 #
-# In the course edition of this book (`make student`; see `chapters/INSTRUCTORS.md`) you write
+# In the course edition of this book (`make student`; see the README's *Start here*) you write
 # the replay side of the decode graphs yourself: `StaticInputs.fill` (`07.graphs`, sections 3
 # and 3.1), which picks the bucket whose graph will replay a batch, copies the batch into the
 # buffers that graph reads, and pads the rest of the bucket so that the padded rows store
 # nothing and attend to nothing, whatever an earlier batch left there. The tests run on a CPU:
 # they check the bucket choice, the copies, and a replay in which a stand-in for each graph
 # reruns the recorded step on the buffers it was captured with. The function's docstring is
-# the handout; the project's tests grade your code (`make grade STUDENT=<your folder>`), and
+# the handout; the project's tests grade your code (`make check CHAPTERS=07` in your edition), and
 # once they pass this notebook runs on your own engine.
 
 # %%
@@ -847,17 +847,10 @@ print(assignment_table("07"))
 # %% tags=["exercise"]
 def padding_waste(buckets: list[int], max_batch: int) -> tuple[float, int]:
     """(mean fraction of padded rows, worst number of padded rows) over batches 1..max_batch."""
-    # BEGIN SOLUTION
-    fractions, worst = [], 0
-    for n in range(1, max_batch + 1):
-        b = next(b for b in buckets if b >= n)
-        fractions.append((b - n) / b)
-        worst = max(worst, b - n)
-    return sum(fractions) / len(fractions), worst
-    # END SOLUTION
+    raise NotImplementedError("exercise 07.padding_waste")
 
 
-# %% tags=["check"]
+# %% tags=["check", "raises-exception"]
 import math
 
 assert padding_waste([1, 2, 4], 4) == ((0 + 0 + 1 / 4 + 0) / 4, 1), \
@@ -888,18 +881,10 @@ import torch
 
 def pad_decode_batch(input_ids, slot_mapping, seq_lens, block_tables, bucket):
     """Pad a decode batch of n rows to `bucket` rows with harmless padding rows."""
-    # BEGIN SOLUTION
-    n = input_ids.shape[0]
-
-    def pad(t, value):
-        extra = torch.full((bucket - n, *t.shape[1:]), value, dtype=t.dtype, device=t.device)
-        return torch.cat([t, extra])
-
-    return pad(input_ids, 0), pad(slot_mapping, -1), pad(seq_lens, 0), pad(block_tables, -1)
-    # END SOLUTION
+    raise NotImplementedError("exercise 07.pad_decode_batch")
 
 
-# %% tags=["check"]
+# %% tags=["check", "raises-exception"]
 import torch
 
 gen = torch.Generator().manual_seed(702)

@@ -1369,11 +1369,11 @@ print(f"chapter run time so far: {time.perf_counter() - chapter_start:.0f} s")
 # %% [markdown]
 # ## Assignments
 #
-# In the course edition of this book (`make student`; see `chapters/INSTRUCTORS.md`) you write
+# In the course edition of this book (`make student`; see the README's *Start here*) you write
 # these parts of the package yourself: the per-output-channel int8 scales and rounding
 # (`08.channel_scales`, section 2) and the per-row e4m3 quantization that fp8 W8A8 applies to
 # every token (`08.token_scales`, section 5.2). Each function's docstring is the handout; the
-# project's tests grade your code (`make grade STUDENT=<your folder>`), and once they pass this
+# project's tests grade your code (`make check CHAPTERS=08` in your edition), and once they pass this
 # notebook runs on your own engine.
 
 # %%
@@ -1423,18 +1423,10 @@ import torch
 
 def quantize_groups(w: torch.Tensor, group: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric quantization with one scale per `group` weights of a row: (codes, scales)."""
-    # BEGIN SOLUTION
-    qmax = 2 ** (bits - 1) - 1
-    rows, cols = w.shape
-    blocks = w.double().reshape(rows, cols // group, group)
-    scales = blocks.abs().amax(dim=-1) / qmax
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    codes = torch.round(blocks / safe[..., None]).clamp(-qmax, qmax)
-    return codes.reshape(rows, cols), scales
-    # END SOLUTION
+    raise NotImplementedError("exercise 08.quantize_groups")
 
 
-# %% tags=["check"]
+# %% tags=["check", "raises-exception"]
 import numpy as np
 import torch
 
@@ -1493,16 +1485,10 @@ import torch
 
 def round_to_e4m3(x: torch.Tensor) -> torch.Tensor:
     """Nearest float8 e4m3 (fn) value of each element, as float64; saturates at +-448."""
-    # BEGIN SOLUTION
-    x = x.double().clamp(-448.0, 448.0)
-    _, exponent = torch.frexp(x.abs())  # |x| = mantissa * 2**exponent, mantissa in [0.5, 1)
-    e = (exponent - 1).clamp(min=-6)  # |x| in [2**e, 2**(e+1)); subnormals share e = -6
-    step = torch.pow(2.0, (e - 3).double())
-    return torch.round(x / step) * step  # torch.round: half to even
-    # END SOLUTION
+    raise NotImplementedError("exercise 08.round_to_e4m3")
 
 
-# %% tags=["check"]
+# %% tags=["check", "raises-exception"]
 import torch
 
 gen = torch.Generator().manual_seed(802)
@@ -1539,20 +1525,10 @@ import torch
 
 def int8_w8a8(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [T, in] @ w.T [in, out] with per-token int8 x, per-channel int8 w, int32 accumulation."""
-    # BEGIN SOLUTION
-    def quantize(a):
-        scale = a.double().abs().amax(dim=1) / 127
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        return torch.round(a.double() / safe[:, None]).clamp(-127, 127).to(torch.int32), scale
-
-    xq, sx = quantize(x)
-    wq, sw = quantize(w)
-    acc = (xq[:, None, :] * wq[None, :, :]).sum(dim=-1)  # int32 products and sum
-    return acc.double() * sx[:, None] * sw[None, :]
-    # END SOLUTION
+    raise NotImplementedError("exercise 08.int8_w8a8")
 
 
-# %% tags=["check"]
+# %% tags=["check", "raises-exception"]
 import torch
 
 gen = torch.Generator().manual_seed(803)

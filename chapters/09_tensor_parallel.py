@@ -773,12 +773,12 @@ print(f"chapter run time so far: {time.perf_counter() - chapter_start:.0f} s")
 # %% [markdown]
 # ## Assignments
 #
-# In the course edition of this book (`make student`; see `chapters/INSTRUCTORS.md`) you write
+# In the course edition of this book (`make student`; see the README's *Start here*) you write
 # these parts of the package yourself: the column-parallel weight loader (this rank's rows,
 # section 2), the row-parallel weight loader (this rank's columns; the bias whole), and the
 # vocab-parallel embedding's lookup with several ranks (mask, clamp, embed, all-reduce;
 # section 4). Each function's docstring is the handout; the project's tests grade your code
-# (`make grade STUDENT=<your folder>`): unit tests that simulate the ranks in one process as
+# (`make check CHAPTERS=09` in your edition): unit tests that simulate the ranks in one process as
 # section 5 does, and the engine at TP=2 and TP=3 on CPU.
 
 # %%
@@ -806,19 +806,10 @@ import torch
 def qkv_shard(wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, rank: int, n: int,
               head_dim: int) -> torch.Tensor:
     """Rank ``rank`` of ``n``: its q heads, then k heads, then v heads, as one matrix."""
-    # BEGIN SOLUTION
-    heads, kv_heads = wq.shape[0] // head_dim, wk.shape[0] // head_dim
-    if heads % n or kv_heads % n:
-        raise ValueError(f"{n} ranks do not divide {heads} heads and {kv_heads} KV heads")
-    parts = []
-    for w, count in ((wq, heads), (wk, kv_heads), (wv, kv_heads)):
-        rows = count // n * head_dim
-        parts.append(w[rank * rows:(rank + 1) * rows])
-    return torch.cat(parts)
-    # END SOLUTION
+    raise NotImplementedError("exercise 09.qkv_shard")
 
 
-# %% tags=["check"]
+# %% tags=["check", "raises-exception"]
 import torch
 import torch.nn.functional as F
 
@@ -877,22 +868,15 @@ import numpy as np
 def ring_allreduce_time_us(nbytes: float, n: int, latency_us: float,
                            bandwidth_gbs: float) -> float:
     """Time of a ring all-reduce: 2(n-1) steps of latency plus one chunk's transfer."""
-    # BEGIN SOLUTION
-    return 2 * (n - 1) * (latency_us + nbytes / n / (bandwidth_gbs * 1e3))
-    # END SOLUTION
+    raise NotImplementedError("exercise 09.ring_allreduce_time_us")
 
 
 def fit_latency_bandwidth(sizes, times_us, n: int) -> tuple[float, float]:
     """Least-squares (latency_us, bandwidth_gbs) of the ring model for measured times."""
-    # BEGIN SOLUTION
-    sizes, times_us = np.asarray(sizes, float), np.asarray(times_us, float)
-    a = np.stack([np.full_like(sizes, 2 * (n - 1)), 2 * (n - 1) * sizes / n / 1e3], axis=1)
-    (latency, inverse_bw), *_ = np.linalg.lstsq(a, times_us, rcond=None)
-    return float(latency), float(1 / inverse_bw)
-    # END SOLUTION
+    raise NotImplementedError("exercise 09.fit_latency_bandwidth")
 
 
-# %% tags=["check"]
+# %% tags=["check", "raises-exception"]
 import numpy as np
 
 assert abs(ring_allreduce_time_us(0, 2, 5.0, 100.0) - 10.0) < 1e-9  # two steps of latency

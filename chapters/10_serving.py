@@ -545,10 +545,10 @@ for run in tp["engines"]:
 # %% [markdown]
 # ## Assignments
 #
-# In the course edition of this book (`make student`; see `chapters/INSTRUCTORS.md`) you write
+# In the course edition of this book (`make student`; see the README's *Start here*) you write
 # this part of the package yourself: the token bucket's refill, which every rate limit of the
 # server relies on. The function's docstring is the handout; the project's tests grade your
-# code on a fake clock (`make grade STUDENT=<your folder>`), and once they pass this notebook
+# code on a fake clock (`make check CHAPTERS=10` in your edition), and once they pass this notebook
 # runs on your own server.
 
 # %%
@@ -570,27 +570,10 @@ print(assignment_table("10"))
 # %% tags=["exercise"]
 def token_bucket(rate: float, capacity: float, clock):
     """A bucket of at most `capacity` tokens refilled at `rate` per second: (wait_time, take)."""
-    # BEGIN SOLUTION
-    state = {"level": float(capacity), "updated": clock()}
-
-    def refill() -> None:
-        now = clock()
-        state["level"] = min(capacity, state["level"] + (now - state["updated"]) * rate)
-        state["updated"] = now
-
-    def wait_time(amount: float) -> float:
-        refill()
-        return max(0.0, (min(amount, capacity) - state["level"]) / rate)
-
-    def take(amount: float) -> None:
-        refill()
-        state["level"] -= amount
-
-    return wait_time, take
-    # END SOLUTION
+    raise NotImplementedError("exercise 10.token_bucket")
 
 
-# %% tags=["check"]
+# %% tags=["check", "raises-exception"]
 class TestClock:
     def __init__(self, now=0.0):
         self.now = now
@@ -643,14 +626,10 @@ print("Exercise 1 passed: burst, rate, cap and debt behave as a token bucket")
 # %% tags=["exercise"]
 def retry_after(req_level, tok_level, prompt_tokens, req_rate, req_burst, tpm):
     """Seconds until both buckets allow one request of `prompt_tokens` tokens; 0 means now."""
-    # BEGIN SOLUTION
-    req_wait = max(0.0, (min(1, req_burst) - req_level) / req_rate)
-    tok_wait = max(0.0, (min(prompt_tokens, tpm) - tok_level) / (tpm / 60))
-    return max(req_wait, tok_wait)
-    # END SOLUTION
+    raise NotImplementedError("exercise 10.retry_after")
 
 
-# %% tags=["check"]
+# %% tags=["check", "raises-exception"]
 import math
 import random
 

@@ -1306,13 +1306,10 @@ print(assignment_table("11"))
 # %% tags=["exercise"]
 def bound_seconds(prompt_lens, output_lens, kv_bytes_per_token, weight_bytes, bandwidth):
     """Bandwidth-bound seconds of a workload (weights once per step, all KV reads)."""
-    # BEGIN SOLUTION
-    reads = sum(p * n + n * (n - 1) // 2 for p, n in zip(prompt_lens, output_lens))
-    return (reads * kv_bytes_per_token + max(output_lens) * weight_bytes) / bandwidth
-    # END SOLUTION
+    raise NotImplementedError("exercise 11.bound_seconds")
 
 
-# %% tags=["check"]
+# %% tags=["check", "raises-exception"]
 import math
 import random
 
@@ -1366,18 +1363,10 @@ import torch
 
 def llama3_inv_freq(inv_freq, factor, low_freq_factor, high_freq_factor, original_max_positions):
     """Llama 3.1's rescaling of RoPE inverse frequencies."""
-    # BEGIN SOLUTION
-    wavelength = 2 * math.pi / inv_freq
-    sigma = (original_max_positions / wavelength - low_freq_factor) / (
-        high_freq_factor - low_freq_factor)
-    blended = (1 - sigma) * inv_freq / factor + sigma * inv_freq
-    out = torch.where(wavelength > original_max_positions / low_freq_factor,
-                      inv_freq / factor, blended)
-    return torch.where(wavelength < original_max_positions / high_freq_factor, inv_freq, out)
-    # END SOLUTION
+    raise NotImplementedError("exercise 11.llama3_inv_freq")
 
 
-# %% tags=["check"]
+# %% tags=["check", "raises-exception"]
 import math
 
 import torch
@@ -1425,12 +1414,10 @@ print("Exercise 2 passed: llama3_inv_freq matches a float64 reference in all thr
 # %% tags=["exercise"]
 def max_concurrent(num_kv_blocks: int, block_size: int, seq_len: int) -> int:
     """Sequences of seq_len tokens that fit in num_kv_blocks blocks of block_size tokens."""
-    # BEGIN SOLUTION
-    return num_kv_blocks // -(-seq_len // block_size)
-    # END SOLUTION
+    raise NotImplementedError("exercise 11.max_concurrent")
 
 
-# %% tags=["check"]
+# %% tags=["check", "raises-exception"]
 import random
 
 assert max_concurrent(100, 16, 16) == 100, "16 tokens fill exactly one block of 16"

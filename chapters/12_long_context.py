@@ -763,7 +763,7 @@ print(f"chapter run time so far: {time.perf_counter() - chapter_start:.0f} s")
 # %% [markdown]
 # ## Assignments
 #
-# In the course edition (`make student`; see `chapters/INSTRUCTORS.md`) you write two pieces:
+# In the course edition (`make student`; see the README's *Start here*) you write two pieces:
 #
 # - Mistral's window mask, `sliding_window_mask` in `nanovllm/layers/torch_attention.py`
 #   (section 5): the torch backend's windowed attention is built on it, so the Mistral parity
@@ -799,20 +799,10 @@ import torch
 def yarn_inv_freq(d: int, base: float, factor: float, trained: int, beta_fast: float = 32,
                   beta_slow: float = 1) -> torch.Tensor:
     """YaRN's inverse frequencies, float64 [d // 2]."""
-    # BEGIN SOLUTION
-    plain = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-
-    def index(turns: float) -> float:
-        return d * math.log(trained / (turns * 2 * math.pi)) / (2 * math.log(base))
-
-    low = max(math.floor(index(beta_fast)), 0)
-    high = min(math.ceil(index(beta_slow)), d - 1)
-    ramp = ((torch.arange(d // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)).clamp(0, 1)
-    return plain * (1 - ramp) + plain / factor * ramp
-    # END SOLUTION
+    raise NotImplementedError("exercise 12.yarn_inv_freq")
 
 
-# %% tags=["check"]
+# %% tags=["check", "raises-exception"]
 import torch
 import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -840,13 +830,10 @@ print("Exercise 1 passed: yarn_inv_freq equals transformers' YaRN frequencies")
 # %% tags=["exercise"]
 def ntk_base(base: float, d: int, factor: float, trained: int, n: int) -> float:
     """Dynamic NTK's RoPE base for a sequence of n tokens."""
-    # BEGIN SOLUTION
-    n = max(n, trained)
-    return base * (factor * n / trained - (factor - 1)) ** (d / (d - 2))
-    # END SOLUTION
+    raise NotImplementedError("exercise 12.ntk_base")
 
 
-# %% tags=["check"]
+# %% tags=["check", "raises-exception"]
 import torch
 import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -876,12 +863,10 @@ print("Exercise 2 passed: ntk_base gives transformers' dynamic NTK frequencies")
 # %% tags=["exercise"]
 def blocks_outside_window(n: int, window: int, block_size: int) -> int:
     """Leading blocks of a sequence whose every key lies before its last `window` keys."""
-    # BEGIN SOLUTION
-    return max(0, n - window) // block_size
-    # END SOLUTION
+    raise NotImplementedError("exercise 12.blocks_outside_window")
 
 
-# %% tags=["check"]
+# %% tags=["check", "raises-exception"]
 def by_counting(n, window, block_size):
     needed = set(range(max(0, n - window), n))
     count = 0

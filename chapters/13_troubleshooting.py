@@ -763,10 +763,10 @@ print(f"chapter run time so far: {time.perf_counter() - chapter_start:.0f} s")
 # %% [markdown]
 # ## Assignments
 #
-# In the course edition (`make student`; see `chapters/INSTRUCTORS.md`) you write the heart of
+# In the course edition (`make student`; see the README's *Start here*) you write the heart of
 # the leak check, `check_refcounts` (section 1): count each block's holders and report every
 # block whose reference count disagrees, naming the requests. Its docstring is the handout;
-# the project's tests grade it (`make grade STUDENT=<your folder>`), including the planted
+# the project's tests grade it (`make check CHAPTERS=13` in your edition), including the planted
 # leak of section 2.
 
 # %%
@@ -804,19 +804,10 @@ print(assignment_table("13"))
 # %% tags=["exercise"]
 def finish(request: dict, reason: str, refcount: list[int], free: list[int]) -> None:
     """Release every block of ``request`` (for any ``reason``), last block first."""
-    # BEGIN SOLUTION
-    for b in reversed(request["blocks"]):
-        if refcount[b] <= 0:
-            raise ValueError(f"request {request['id']!r}: block {b} freed twice")
-    for b in reversed(request["blocks"]):
-        refcount[b] -= 1
-        if refcount[b] == 0:
-            free.append(b)
-    request["blocks"] = []
-    # END SOLUTION
+    raise NotImplementedError("exercise 13.finish")
 
 
-# %% tags=["check"]
+# %% tags=["check", "raises-exception"]
 import random
 from collections import Counter
 
@@ -871,17 +862,10 @@ print("Exercise 1 passed: every reason frees, counts equal holders after 400 eve
 # %% tags=["exercise"]
 def first_fit_alloc(used: dict, capacity: int, size: int) -> int | None:
     """Lowest start of a free gap of >= ``size`` slots among ``used`` regions, or None."""
-    # BEGIN SOLUTION
-    pos = 0
-    for start, length in sorted(used.values()):
-        if start - pos >= size:
-            return pos
-        pos = max(pos, start + length)
-    return pos if capacity - pos >= size else None
-    # END SOLUTION
+    raise NotImplementedError("exercise 13.first_fit_alloc")
 
 
-# %% tags=["check"]
+# %% tags=["check", "raises-exception"]
 import random
 
 rng = random.Random(1302)

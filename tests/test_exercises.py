@@ -62,5 +62,7 @@ def test_exercise_passes_its_check(exercise, without_nanovllm) -> None:
 
 @pytest.mark.parametrize("exercise", _exercises())
 def test_check_fails_on_the_student_stub(exercise, without_nanovllm) -> None:
+    if exercise.source == exercise.stripped:
+        pytest.skip("a student edition: the chapter's cell is the student's answer")
     with pytest.raises(NotImplementedError, match=f"exercise {exercise.id[:2]}\\."):
         _run(exercise.stripped, exercise.check)

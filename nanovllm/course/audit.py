@@ -1,4 +1,4 @@
-"""Check the tests' assignment marks: ``python -m nanovllm.course.audit [--tests ...]``.
+"""Check the tests' assignment marks: ``python -m nanovllm.course.audit --repo . [--tests ..]``.
 
 A graded test must carry every assignment its code reaches; otherwise, in a whole-course
 edition, it fails on a stub it does not declare and costs another assignment its points. For
@@ -15,41 +15,36 @@ import argparse
 import shutil
 import sys
 import tempfile
-from collections import defaultdict
 from pathlib import Path
 
-from nanovllm.course import grade, student
+from nanovllm.course.grade import prepare_tree, relative_tests, trusted_count
 from nanovllm.course.regions import find_regions
+from nanovllm.course.sandbox import Sandbox
+from nanovllm.course.submission import Submitted, read_submission
 
 
-def marked_tests(tests: list[str], workdir: Path, timeout: float) -> dict[tuple, list[str]]:
-    """Marked tests of ``tests`` grouped by their (sorted) assignment ids."""
-    report = grade.run_chapter(None, grade.REPO, tests, timeout, workdir, ("--collect-only",))
-    if report["status"] != "ok":
-        raise RuntimeError(f"collecting the marked tests failed: {report}")
-    groups: dict[tuple, list[str]] = defaultdict(list)
-    for test in report["tests"]:
-        groups[tuple(sorted(test["assignments"]))].append(test["nodeid"])
-    return dict(groups)
-
-
-def audit(tests: list[str] | None = None, timeout: float = 1200) -> list[dict]:
+def audit(repo: Path, tests: list[str] | None = None, timeout: float = 1200) -> list[dict]:
     """One row per id set: the tests run where only that set is filled in, and the failures."""
-    tests = [str(grade.REPO / t) for t in (tests or ["tests"])]
-    everything = {r.id for r in find_regions(grade.REPO / "nanovllm")}
+    repo = Path(repo).resolve()
+    tests = relative_tests(repo, tests)
+    regions = find_regions(repo / "nanovllm")
+    reference = read_submission(repo, repo, regions)
     rows = []
     with tempfile.TemporaryDirectory(prefix="nanovllm-audit-") as tmp:
         workdir = Path(tmp)
-        shutil.copy(grade.PLUGIN, workdir / f"{grade.PLUGIN_MODULE}.py")
-        for ids, nodeids in sorted(marked_tests(tests, workdir, timeout).items()):
-            unknown = set(ids) - everything
-            edition = workdir / "edition"
-            student.build(edition, ids=sorted(everything - set(ids)))
-            run_dir = workdir / "run"
-            run_dir.mkdir(exist_ok=True)
-            shutil.copy(grade.PLUGIN, run_dir / f"{grade.PLUGIN_MODULE}.py")
-            nodes = [str(grade.REPO / n) for n in nodeids]
-            report = grade.run_chapter(None, edition, nodes, timeout, run_dir)
+        sandbox = Sandbox(workdir / "private", repo)
+        groups: dict[tuple, list[str]] = {}
+        for nodeid, ids in trusted_count(sandbox, repo, regions, tests, timeout, workdir).items():
+            groups.setdefault(tuple(sorted(ids)), []).append(nodeid)
+        for ids, nodeids in sorted(groups.items()):
+            unknown = set(ids) - set(reference)
+            filled = {
+                i: sub if i in ids else Submitted(sub.region, "stub")
+                for i, sub in reference.items()
+            }
+            tree = prepare_tree(repo, workdir / "tree", filled)
+            report = sandbox.run(tree, nodeids, timeout)
+            shutil.rmtree(tree)
             failed = [t for t in report["tests"] if t["outcome"] != "passed"]
             rows.append(
                 {
@@ -67,10 +62,11 @@ def audit(tests: list[str] | None = None, timeout: float = 1200) -> list[dict]:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repo", type=Path, required=True, help="the instructor's repository")
     parser.add_argument("--tests", nargs="*", help="test paths / node ids (default: tests)")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per pytest run")
     args = parser.parse_args(argv)
-    rows = audit(args.tests, args.timeout)
+    rows = audit(args.repo, args.tests, args.timeout)
     bad = 0
     for row in rows:
         ok = row["status"] == "ok" and not row["failed"]

@@ -1,12 +1,15 @@
 """Notebook exercises: practice inside a chapter, checked by the cell after it.
 
-An exercise is a code cell tagged ``exercise`` that defines a function (or two); its worked solution
-sits between ``# BEGIN SOLUTION`` and ``# END SOLUTION``. The next code cell, tagged
-``check``, tests it. The exercise's id is ``<chapter>.<function name>`` (e.g.
-``01.rms_norm``): stable when exercises are added or reordered. The student edition replaces
-each solution by ``raise NotImplementedError("exercise 01.rms_norm")``
-(:func:`strip_solutions`); ``tests/test_exercises.py`` runs every pair with ``nanovllm``
-unimportable, and checks that each check fails on the stripped exercise.
+An exercise is a code cell tagged ``exercise`` that defines a function (or two) whose body is
+``raise NotImplementedError("exercise 01.rms_norm")``; the next code cell, tagged ``check``
+(and ``raises-exception``: in the executed chapter it meets the stub), tests it. The exercise's
+id is ``<chapter>.<function name>``: stable when exercises are added or reordered. The worked
+solutions never ship: they live in instructor-only notebooks, ``chapters/solutions/NN_solutions.py``
+(py:percent), one cell per exercise, tagged ``solution``: the chapter's cell with its solution
+between ``# BEGIN SOLUTION`` and ``# END SOLUTION`` where the chapter has the stub
+(:func:`strip_solutions` of the one must be the other). ``tests/test_exercises.py`` runs every
+solution against its check with ``nanovllm`` unimportable, and each check against its stub; in a
+student edition (no solutions folder) it runs the student's cells against their checks.
 """
 
 from __future__ import annotations
@@ -24,12 +27,9 @@ DEF = re.compile(r"^def (?P<name>\w+)\(")
 @dataclass(frozen=True)
 class Exercise:
     id: str  # "01.rms_norm"
-    source: str  # the exercise cell, with its solution
+    source: str  # the exercise cell with its worked solution (from chapters/solutions/)
     check: str  # the check cell
-
-    @property
-    def stripped(self) -> str:
-        return strip_solutions(self.source, self.id[:2])
+    stripped: str  # the exercise cell as the chapter has it: the prompt and the stub
 
 
 def function_name(source: str) -> str:
@@ -62,20 +62,47 @@ def strip_solutions(source: str, chapter: str) -> str:
     return "".join(out)
 
 
-def chapter_exercises(path: Path) -> list[Exercise]:
-    """The exercise/check pairs of one chapter's py:percent source."""
+def solution_files(chapters: Path) -> list[Path]:
+    """The instructor-only solution notebooks, one per chapter with exercises."""
+    return sorted((chapters / "solutions").glob("[0-9][0-9]_solutions.py"))
+
+
+def _cells(path: Path, tag: str) -> list:
     import jupytext
 
     cells = jupytext.read(path).cells
+    return [(i, c, cells) for i, c in enumerate(cells) if tag in c.metadata.get("tags", [])]
+
+
+def chapter_exercises(path: Path) -> list[Exercise]:
+    """The exercises of one chapter's py:percent source, each with its check and, from
+    ``chapters/solutions/NN_solutions.py``, its worked solution."""
     chapter = path.stem[:2]
+    solutions_path = path.parent / "solutions" / f"{chapter}_solutions.py"
+    solutions = (
+        {function_name(c.source): c.source for _, c, _ in _cells(solutions_path, "solution")}
+        if solutions_path.exists()
+        else {}
+    )
     found = []
-    for i, cell in enumerate(cells):
-        if "exercise" not in cell.metadata.get("tags", []):
-            continue
+    for i, cell, cells in _cells(path, "exercise"):
         check = next((c for c in cells[i + 1 :] if c.cell_type == "code"), None)
         if check is None or "check" not in check.metadata.get("tags", []):
             raise ValueError(f"{path.name}: an exercise cell must be followed by its check cell")
-        found.append(Exercise(f"{chapter}.{function_name(cell.source)}", cell.source, check.source))
+        name = function_name(cell.source)
+        if not solutions_path.exists():  # a student edition: the chapter's cell is the answer
+            found.append(Exercise(f"{chapter}.{name}", cell.source, check.source, cell.source))
+            continue
+        if "# BEGIN SOLUTION" in cell.source:
+            raise ValueError(f"{path.name}: {name}'s solution belongs in {solutions_path}")
+        if name not in solutions:
+            raise ValueError(f"{solutions_path}: no solution cell for {chapter}.{name}")
+        solution = solutions.pop(name)
+        if strip_solutions(solution, chapter).strip() != cell.source.strip():
+            raise ValueError(f"{chapter}.{name}: the chapter's cell is not the solution stripped")
+        found.append(Exercise(f"{chapter}.{name}", solution, check.source, cell.source))
+    if solutions:
+        raise ValueError(f"{solutions_path}: solutions without an exercise: {sorted(solutions)}")
     return found
 
 

@@ -1,97 +1,94 @@
-"""Grade a student's package with the instructor's tests:
-``python -m nanovllm.course.grade [--student PATH] [--json OUT] [--timeout 1200]``.
+"""Grade a student's regions with the instructor's tests:
+``python -m nanovllm.course.grade --repo REPO [--student PATH] [--json OUT] [--chapters ..]``.
 
-For each chapter with assignments, one pytest process runs this repository's tests (which the
-student cannot edit) marked ``@pytest.mark.assignment(...)`` with an id of that chapter, with
-the student's root first on ``PYTHONPATH`` so that ``import nanovllm`` is the student's copy
-(the plugin checks it). Partial credit: points x passed / tests marked with the assignment. A
-chapter whose process crashes or runs past ``--timeout`` scores 0; grading goes on.
-Without ``--student`` this repository grades itself (it must score full marks).
+A submission is the code between the student's assignment markers and nothing else
+(:mod:`nanovllm.course.submission`): each region's body is read from the student's files,
+checked (:mod:`nanovllm.course.static_check`) and spliced into a clean copy of the instructor's
+package; the instructor's tests are copied in after the splice. First a run on the all-stub
+tree, with no student code in it, counts the graded tests (the trusted count); then one pytest
+process per chapter runs on a fresh copy of the spliced tree in the sandbox
+(:mod:`nanovllm.course.sandbox`), and its report is checked against that count (a test missing
+from the report is a failure; too few or unknown tests, or times that add up to more than the
+run took, are flagged). Partial credit: points x passed / tests marked with the assignment. A
+region that is missing, malformed or flagged scores 0, the reason beside it; a chapter whose
+process crashes or runs past ``--timeout`` scores 0, and grading goes on. Without ``--student``
+the repository grades its own regions (it must score full marks).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from nanovllm.course.regions import Region, find_regions
+from nanovllm.course.sandbox import Sandbox
+from nanovllm.course.submission import Submitted, read_submission, splice_package
 
-REPO = Path(__file__).resolve().parents[2]
-PLUGIN = Path(__file__).with_name("pytest_plugin.py")
-PLUGIN_MODULE = "_nanovllm_course_plugin"
-
-
-def run_chapter(
-    chapter: str | None,
-    student: Path,
-    tests: list[str],
-    timeout: float,
-    workdir: Path,
-    extra: tuple[str, ...] = (),
-) -> dict:
-    """One pytest process for ``chapter`` (None: every marked test); returns the plugin's
-    report plus ``status``. ``extra``: more pytest arguments (e.g. ``--collect-only``)."""
-    report_path = workdir / f"chapter{chapter or 'all'}.json"
-    env = dict(os.environ)
-    env.update(
-        PYTHONPATH=os.pathsep.join([str(student), str(workdir)]),
-        NANOVLLM_COURSE_REPORT=str(report_path),
-        NANOVLLM_COURSE_STUDENT=str(student),
-        PYTHONHASHSEED="0",
-        TQDM_DISABLE="1",
-        HF_HUB_OFFLINE="1",
-    )
-    env.pop("NANOVLLM_COURSE_CHAPTER", None)
-    if chapter:
-        env["NANOVLLM_COURSE_CHAPTER"] = chapter
-    env.pop("PYTHONSAFEPATH", None)
-    # -P: no current directory on sys.path (it would put the instructor's package first).
-    cmd = [
-        sys.executable,
-        "-P",
-        "-m",
-        "pytest",
-        *tests,
-        "-m",
-        "assignment",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "-p",
-        PLUGIN_MODULE,
-        "--rootdir",
-        str(REPO),
-        "-c",
-        str(REPO / "pyproject.toml"),
-        *extra,
-    ]
-    try:
-        proc = subprocess.run(
-            cmd, cwd=REPO, env=env, timeout=timeout, capture_output=True, text=True
-        )
-    except subprocess.TimeoutExpired:
-        return {"status": f"timeout after {timeout:g} s", "tests": []}
-    if proc.returncode not in (0, 1, 5) or not report_path.exists():  # 5: no tests ran
-        tail = (proc.stdout + proc.stderr)[-2000:]
-        return {"status": f"crashed (exit {proc.returncode})", "tests": [], "output": tail}
-    report = json.loads(report_path.read_text())
-    report["status"] = "ok"
-    return report
+TREE_FILES = ("pyproject.toml",)
+IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache", ".hypothesis")
 
 
-def score(regions: list[Region], reports: dict[str, dict]) -> list[dict]:
+def prepare_tree(repo: Path, out: Path, submitted: dict[str, Submitted]) -> Path:
+    """``out``: the instructor's package with ``submitted`` spliced in, then the instructor's
+    tests (every one, private ones included) and build files."""
+    splice_package(repo, out, submitted)
+    shutil.copytree(repo / "tests", out / "tests", ignore=IGNORE)
+    for name in TREE_FILES:
+        shutil.copy2(repo / name, out / name)
+    return out
+
+
+def relative_tests(repo: Path, tests: list[str] | None) -> list[str]:
+    """Test paths / node ids relative to the repository (so they name the tree's copies)."""
+    out = []
+    for test in tests or ["tests"]:
+        path, sep, node = test.partition("::")
+        if Path(path).is_absolute():
+            path = Path(path).resolve().relative_to(repo).as_posix()
+        out.append(path + sep + node)
+    return out
+
+
+def trusted_count(sandbox: Sandbox, repo: Path, regions, tests, timeout, workdir) -> dict:
+    """{node id: assignment ids} of the graded tests, collected on the all-stub tree."""
+    stubs = {r.id: Submitted(r, "stub") for r in regions}
+    tree = prepare_tree(repo, workdir / "collect", stubs)
+    report = sandbox.run(tree, tests, timeout, extra=("--collect-only",))
+    if report["status"] != "ok":
+        raise RuntimeError(f"collecting the graded tests failed: {report}")
+    return {t["nodeid"]: t["assignments"] for t in report["tests"]}
+
+
+def anomalies(report: dict, expected: set[str]) -> list[str]:
+    """What makes a chapter's report suspect, beside its score."""
+    if report["status"] != "ok":
+        return []
+    found, reported = [], {t["nodeid"] for t in report["tests"]}
+    if missing := expected - reported:
+        found.append(f"{len(expected)} graded tests counted, {len(missing)} not in the report")
+    if unknown := reported - expected:
+        found.append(f"{len(unknown)} reported tests were never counted: {sorted(unknown)[:3]}")
+    times = [t.get("duration") for t in report["tests"] if t["outcome"] != "not run"]
+    if any(not isinstance(d, (int, float)) or d < 0 for d in times):
+        found.append("a test reported no time or a negative one")
+    elif sum(times) > report["wall_s"] + 1:
+        found.append(f"tests took {sum(times):.1f} s in a run of {report['wall_s']:.1f} s")
+    return found
+
+
+def score(regions: list[Region], submitted, expected: dict, reports: dict) -> list[dict]:
     rows = []
     for r in regions:
-        report = reports[r.chapter]
-        mine = [t for t in report["tests"] if r.id in t["assignments"]]
-        passed = sum(t["outcome"] == "passed" for t in mine) if report["status"] == "ok" else 0
-        earned = r.points * passed / len(mine) if mine else 0.0
+        report, sub = reports[r.chapter], submitted[r.id]
+        outcomes = {t["nodeid"]: t for t in report["tests"]}
+        mine = [n for n, ids in expected.items() if r.id in ids]
+        tests = [outcomes.get(n, {"nodeid": n, "outcome": "not reported"}) for n in mine]
+        passed = sum(t["outcome"] == "passed" for t in tests) if report["status"] == "ok" else 0
+        earned = r.points * passed / len(mine) if mine and sub.accepted else 0.0
+        failure = next((t for t in tests if t["outcome"] != "passed"), None)
         rows.append(
             {
                 "assignment": r.id,
@@ -99,34 +96,48 @@ def score(regions: list[Region], reports: dict[str, dict]) -> list[dict]:
                 "total": len(mine),
                 "points": r.points,
                 "earned": round(earned, 2),
+                "submission": sub.status,
+                "reasons": sub.reasons + report.get("anomalies", []),
                 "status": report["status"],
+                "first_failure": failure
+                and f"{failure['nodeid']}: {failure.get('exception') or failure['outcome']}",
             }
         )
     return rows
 
 
 def grade(
-    student: Path | None = None,
+    student: Path | None,
+    repo: Path,
     tests: list[str] | None = None,
     timeout: float = 1200,
     chapters: list[str] | None = None,
 ) -> dict:
-    """Grade ``student`` (this repository when None) and return the JSON-able result."""
-    student = Path(student or REPO).resolve()
-    # The assignments (ids, points) come from the instructor's reference, not the student's copy.
-    regions = find_regions(REPO / "nanovllm")
+    """Grade ``student``'s regions (``repo``'s own when None) with ``repo``'s tests."""
+    repo = Path(repo).resolve()
+    student = Path(student or repo).resolve()
+    regions = find_regions(repo / "nanovllm")  # ids and points: the instructor's
+    tests = relative_tests(repo, tests)
     wanted = sorted({r.chapter for r in regions})
     if chapters:
         wanted = [c for c in wanted if c in {f"{int(x):02d}" for x in chapters}]
-        regions = [r for r in regions if r.chapter in wanted]
-    tests = [str(REPO / t) if not Path(t).is_absolute() else t for t in (tests or ["tests"])]
+    graded = [r for r in regions if r.chapter in wanted]
+    submitted = read_submission(student, repo, regions)
     reports = {}
     with tempfile.TemporaryDirectory(prefix="nanovllm-grade-") as tmp:
         workdir = Path(tmp)
-        shutil.copy(PLUGIN, workdir / f"{PLUGIN_MODULE}.py")
+        sandbox = Sandbox(workdir / "private", repo)
+        expected = trusted_count(sandbox, repo, regions, tests, timeout, workdir)
+        spliced = prepare_tree(repo, workdir / "spliced", submitted)
         for chapter in wanted:
-            reports[chapter] = run_chapter(chapter, student, tests, timeout, workdir)
-    rows = score(regions, reports)
+            tree = workdir / f"run{chapter}"
+            shutil.copytree(spliced, tree)
+            report = sandbox.run(tree, tests, timeout, chapter)
+            mine = {n for n, ids in expected.items() if any(a[:2] == chapter for a in ids)}
+            report["anomalies"] = anomalies(report, mine)
+            reports[chapter] = report
+            shutil.rmtree(tree, ignore_errors=True)
+    rows = score(graded, submitted, expected, reports)
     return {
         "student": str(student),
         "assignments": rows,
@@ -137,29 +148,31 @@ def grade(
 
 
 def table(result: dict) -> str:
-    lines = [f"{'assignment':24s} {'tests':>9s} {'points':>13s}  status"]
+    """The grade as text: one line per assignment, its first failure or reasons under it."""
+    lines = [f"{'assignment':24s} {'tests':>9s} {'points':>13s}  submission / run"]
     for r in result["assignments"]:
         lines.append(
             f"{r['assignment']:24s} {r['passed']:>4d}/{r['total']:<4d} "
-            f"{r['earned']:>6g} / {r['points']:<4d}  {r['status']}"
+            f"{r['earned']:>6g} / {r['points']:<4d}  {r['submission']} / {r['status']}"
         )
+        for reason in r["reasons"]:
+            lines.append(f"    FLAGGED: {reason}")
+        if r["first_failure"] and r["earned"] < r["points"]:
+            lines.append(f"    first failure: {r['first_failure'].splitlines()[0][:200]}")
     lines.append(f"TOTAL: {result['total']:g} / {result['max']} points")
     return "\n".join(lines)
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--student", type=Path, help="root of the student's copy (default: this repo)"
-    )
+    parser.add_argument("--repo", type=Path, required=True, help="the instructor's repository")
+    parser.add_argument("--student", type=Path, help="the student's folder (default: --repo)")
     parser.add_argument("--json", type=Path, help="write the result there")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per chapter process")
     parser.add_argument("--chapters", nargs="*", help="grade only these chapters")
-    parser.add_argument(
-        "--tests", nargs="*", help="instructor test paths / node ids (default: tests)"
-    )
+    parser.add_argument("--tests", nargs="*", help="test paths / node ids (default: tests)")
     args = parser.parse_args(argv)
-    result = grade(args.student, args.tests, args.timeout, args.chapters)
+    result = grade(args.student, args.repo, args.tests, args.timeout, args.chapters)
     print(table(result))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,10 @@
 """A pytest plugin for the grader: records each test's outcome, its assignment ids and, for a
 failure, the exception text; writes them as JSON at the end of the session.
 
-Self-contained on purpose (it imports nothing from nanovllm): the grader copies it out of the
-instructor's repository and loads it with ``-p``, so the student's package cannot replace it.
+Self-contained on purpose (it imports nothing from nanovllm): the grader copies it into a
+private folder and loads it from that file before pytest starts (:mod:`nanovllm.course.sandbox`),
+so nothing the student submits can replace it. Each test's ``duration`` (all phases) lets the
+grader flag impossible times.
 Configured by environment variables:
 
 * ``NANOVLLM_COURSE_REPORT``: where to write the JSON report (required to write one);
@@ -66,8 +68,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             }
 
 
+def _chain(error: BaseException) -> list[BaseException]:
+    """``error`` and every exception it was raised while handling, earliest first."""
+    chain, seen = [], set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    return chain[::-1]
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A test passes only when its call phase ran and passed (a setup that never reaches the
+    test, or a skipped call, is no pass); the first failing phase keeps its exception."""
     outcome = yield
     report = outcome.get_result()
     entry = _results.setdefault(
@@ -80,19 +94,24 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
             "stubs": [],
         },
     )
-    if entry["outcome"] == "not run":
+    entry.setdefault("duration", 0.0)
+    entry["duration"] += report.duration
+    if report.when == "call" and report.passed and entry["outcome"] == "not run":
         entry["outcome"] = "passed"
     if report.failed:
-        entry["outcome"] = "failed" if entry["outcome"] != "error" else "error"
-        if report.when != "call":
-            entry["outcome"] = "error"
+        entry["outcome"] = "failed" if report.when == "call" else "error"
         if entry["exception"] is None and call.excinfo is not None:
-            entry["exception"] = call.excinfo.exconly()[:2000]
-        text = report.longreprtext
-        for stub in STUB.findall(text):
+            chain = _chain(call.excinfo.value)
+            first = chain[0]
+            entry["exception"] = f"{type(first).__name__}: {first}"[:2000]
+            for error in chain:
+                for stub in STUB.findall(f"{type(error).__name__}: {error}"):
+                    if stub not in entry["stubs"]:
+                        entry["stubs"].append(stub)
+        for stub in STUB.findall(report.longreprtext):
             if stub not in entry["stubs"]:
                 entry["stubs"].append(stub)
-    elif report.skipped and entry["outcome"] == "passed":
+    elif report.skipped and entry["outcome"] in ("not run", "passed"):
         entry["outcome"] = "skipped"
 
 

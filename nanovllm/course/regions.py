@@ -8,8 +8,10 @@ def allocate(self, seq, num_new_tokens, cached=()):
     # <<< assignment 04.allocate
 ```
 
-Cutting a region replaces its lines with ``raise NotImplementedError("assignment 04.allocate:
-<first line of the docstring>")`` at the indentation of the opening marker.
+Cutting a region replaces the code between its markers with ``raise NotImplementedError(
+"assignment 04.allocate: <first line of the docstring>")`` at the indentation of the opening
+marker; the markers stay, so that the student writes between them and the grader finds the
+student's code there (:mod:`nanovllm.course.submission`).
 """
 
 from __future__ import annotations
@@ -73,9 +75,9 @@ def _functions(tree: ast.AST) -> list[tuple[str, ast.FunctionDef | ast.AsyncFunc
     return found
 
 
-def regions_in_file(path: Path) -> list[Region]:
-    """The regions of one file, validated (raises RegionError)."""
-    text = path.read_text()
+def regions_in_file(path: Path, text: str | None = None) -> list[Region]:
+    """The regions of one file (its ``text`` when given), validated (raises RegionError)."""
+    text = path.read_text() if text is None else text
     if "# >>> assignment" not in text and "# <<< assignment" not in text:
         return []
     lines = text.splitlines()
@@ -182,11 +184,33 @@ def find_regions(root: Path | str) -> list[Region]:
 
 
 def cut_text(text: str, regions: list[Region]) -> str:
-    """``text`` (one file's) with ``regions`` (of that file) replaced by their stubs."""
+    """``text`` (one file's) with the code of ``regions`` (of that file) replaced by their
+    stubs, the markers kept."""
+    return splice_text(text, {r: r.stub() for r in regions})
+
+
+def splice_text(text: str, bodies: dict[Region, str]) -> str:
+    """``text`` (one file's) with the code between each region's markers replaced by
+    ``bodies[region]`` (lines already at the region's indentation)."""
     lines = text.splitlines(keepends=True)
-    for region in sorted(regions, key=lambda r: r.start, reverse=True):
-        lines[region.start - 1 : region.end] = [region.stub()]
+    for region in sorted(bodies, key=lambda r: r.start, reverse=True):
+        body = bodies[region]
+        lines[region.start : region.end - 1] = [body if body.endswith("\n") else body + "\n"]
     return "".join(lines)
+
+
+STUB = re.compile(r"^\s*raise NotImplementedError\((?P<q>['\"])assignment (?P<id>\d\d\.\w+)\b")
+
+
+def is_stub(body: str) -> bool:
+    """Whether a region's code is still its stub (one ``raise NotImplementedError(...)``)."""
+    code = [line for line in body.splitlines() if line.strip() and not line.strip().startswith("#")]
+    return len(code) == 1 and STUB.match(code[0]) is not None
+
+
+def region_body(text: str, region: Region) -> str:
+    """The code between a region's markers in ``text`` (the file it was found in)."""
+    return "".join(text.splitlines(keepends=True)[region.start : region.end - 1])
 
 
 def cut_files(
@@ -215,8 +239,10 @@ def check_parses(text: str, name: Path | str = "<cut>") -> None:
         raise RegionError(f"{name}: does not parse once cut: {e}") from e
 
 
-def select(regions: list[Region], chapters=None, ids=None) -> list[Region]:
-    """The regions of ``chapters`` (all when None), or exactly ``ids`` when given."""
+def select(regions: list[Region], chapters=None, ids=None, through: bool = False) -> list[Region]:
+    """The regions of ``chapters`` (all when None), or exactly ``ids`` when given. With
+    ``through``, every chapter from the earliest of ``chapters`` on (a week's edition that
+    does not ship the later weeks' answers)."""
     known = {r.id for r in regions}
     if ids is not None:
         unknown = set(ids) - known
@@ -225,5 +251,7 @@ def select(regions: list[Region], chapters=None, ids=None) -> list[Region]:
         return [r for r in regions if r.id in set(ids)]
     if chapters:
         chapters = {f"{int(c):02d}" for c in chapters}
+        if through:
+            return [r for r in regions if r.chapter >= min(chapters)]
         return [r for r in regions if r.chapter in chapters]
     return list(regions)
