@@ -1,12 +1,12 @@
 """``python -m nanovllm.benchmarks.profiling``: where the time of a decode step goes (chapter 11).
 
-Runs the benchmark workload until every request is decoding, then records a few engine
-steps with ``torch.profiler``: what the CPU does (schedule, prepare and launch, wait for the
-tokens, apply them: ``Scheduler.update_from_output``) and when the GPU is busy. It prints, per mode (async scheduling off and
-on), the wall time per step, the fraction of it the GPU spends computing, kernels per step and
-the most expensive kernels, and can save the spans for the chapter's timeline figure.
-The engine is not modified: its methods are wrapped in profiler ranges from outside.
-"""
+Runs the benchmark workload until every request is decoding, then records a few engine steps
+with ``torch.profiler``: what the CPU does (schedule, prepare and launch, wait for the
+tokens, apply them: ``Scheduler.update_from_output``) and when the GPU is busy. It prints,
+per mode (async scheduling off and on), the wall time per step, the fraction of it the GPU
+spends computing, kernels per step and the most expensive kernels, and can save the spans
+for the chapter's timeline figure. The engine is not modified: its methods are wrapped in
+profiler ranges from outside. """
 
 from __future__ import annotations
 
