@@ -69,7 +69,7 @@ def check(root: Path, chapters: list[str] | None = None, timeout: float = 1800) 
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--root", type=Path, default=Path("."), help="the edition's folder")
     parser.add_argument("--chapters", nargs="*", help="only these chapters")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per chapter")

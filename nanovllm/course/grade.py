@@ -164,7 +164,7 @@ def table(result: dict) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repo", type=Path, required=True, help="the instructor's repository")
     parser.add_argument("--student", type=Path, help="the student's folder (default: --repo)")
     parser.add_argument("--json", type=Path, help="write the result there")
