@@ -53,6 +53,7 @@ FAST = [
     f"{DECODE}test_decode_zero_length_rows_give_zeros",
     f"{DECODE}test_store_then_decode_end_to_end",
     "tests/kernels/test_decode_kernel_assignment.py",
+    "tests/kernels/test_combine_splits_assignment.py",
     f"{DECODE}test_decode_matches_reference_fp32_all_splits[group1-mha]",
     "tests/test_policies.py",
     "tests/test_scheduler_steps.py",
