@@ -108,7 +108,7 @@ def test_every_assignment_keeps_public_tests_and_the_edition_lists_them(whole_co
     table = subprocess.run([sys.executable, "-c", probe], env=env, cwd=tmp_path,
                            capture_output=True, text=True, check=True).stdout  # fmt: skip
     assert re.search(r"04\.allocate +8 points +stub", table), table
-    assert re.search(r"total +20 points", table), table
+    assert re.search(r"total +30 points", table), table
     assert "filled" in assignment_table("04") and "stub" not in assignment_table("04")
 
 
