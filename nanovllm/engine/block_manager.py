@@ -162,17 +162,18 @@ class BlockManager:
 
         Handout (chapter 04 §3). ``cached`` is what ``cached_prefix`` returned (block ids);
         ``seq.block_table`` is a ``list[int]`` that must end up covering
-        ``seq.num_computed_tokens + len(cached) * block_size + num_new_tokens`` tokens.
-        (The scheduler, not this method, then counts the cached tokens as computed: it
-        alone writes ``seq.num_computed_tokens``.) All or nothing: if
-        ``self.can_allocate(...)`` says no, return False without touching anything.
-        Otherwise, for a sequence's first allocation (its table is empty: new, or preempted
-        and freed), count the lookup: ``queried_tokens += seq.num_tokens`` and ``hit_tokens +=``
-        the cached tokens (so ``queried_tokens - hit_tokens`` is what prefill computes); adopt each cached block (take it out of ``free_ids``
-        if it was free, ``ref_count += 1``, append its id to ``seq.block_table`` and its
-        hash to ``seq.block_hashes``); append fresh blocks with ``self._take_free_block()``
-        until the table covers the tokens; register the blocks this step fills with
-        ``self.cache_full_blocks(seq, <tokens covered after this step>)``; return True.
+        ``seq.num_computed_tokens + len(cached) * block_size + num_new_tokens`` tokens. (The
+        scheduler, not this method, then counts the cached tokens as computed: it alone writes
+        ``seq.num_computed_tokens``.) All or nothing: if ``self.can_allocate(...)`` says no,
+        return False without touching anything. Otherwise, for a sequence's first allocation
+        (its table is empty: new, or preempted and freed), count the lookup: ``queried_tokens +=
+        seq.num_tokens`` and ``hit_tokens +=`` the cached tokens (so ``queried_tokens -
+        hit_tokens`` is what prefill computes); adopt each cached block (take it out of
+        ``free_ids`` if it was free, ``ref_count += 1``, append its id to ``seq.block_table``
+        and its hash to ``seq.block_hashes``); append fresh blocks with
+        ``self._take_free_block()`` until the table covers the tokens; register the blocks this
+        step fills with ``self.cache_full_blocks(seq, <tokens covered after this step>)``;
+        return True.
 
         Hint: ``self.blocks_needed(n)`` is the ceiling of ``n / block_size``.
         """
