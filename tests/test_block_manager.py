@@ -135,7 +135,7 @@ def test_shared_prefix_is_shared_and_last_token_is_always_computed():
     assert [bm.blocks[b].ref_count for b in first.block_table] == [2, 2, 1]
 
 
-@pytest.mark.assignment("04.allocate")
+@pytest.mark.assignment("04.cached_prefix", "04.allocate", "04.free")
 def test_allocate_takes_exactly_what_num_blocks_to_allocate_says():
     bm = BlockManager(num_blocks=8, block_size=BLOCK)
     first = Sequence(list(range(10)), PARAMS)

@@ -120,7 +120,7 @@ def test_temperatures_mix_in_one_batch_each_row_its_own():
             assert _chi2_p_value(mine, (z / temperature).softmax(-1)) > 1e-3, temperature
 
 
-@pytest.mark.assignment(SAMPLER)
+@pytest.mark.assignment(SAMPLER, "01.filter_logits")  # (its rows filter)
 def test_seeded_rows_follow_the_distribution_from_their_own_generators():
     """Each row has a generator of its own seed: across rows the tokens still follow the
     filtered softmax (top-k 5), and two generators of one seed give the same row."""
@@ -134,7 +134,7 @@ def test_seeded_rows_follow_the_distribution_from_their_own_generators():
     assert torch.equal(Sampler(seed=7)(z.expand(n, -1), _rows([0.8] * n, again, top_k=5)), tokens)
 
 
-@pytest.mark.assignment(SAMPLER)
+@pytest.mark.assignment(SAMPLER, "01.filter_logits")  # (its rows filter)
 def test_a_seeded_request_does_not_depend_on_its_batch():
     """The same seeded request, step after step, alone or among other rows (seeded, unseeded,
     greedy, filtered), at any place in the batch and under any shared seed: the same tokens."""
@@ -232,7 +232,7 @@ class _NoHostSync(torch.Tensor):
         return super().__torch_function__(func, types, args, kwargs or {})
 
 
-@pytest.mark.assignment(SAMPLER)
+@pytest.mark.assignment(SAMPLER, "01.filter_logits")  # (its rows filter)
 def test_no_value_crosses_to_the_host():
     logits = _logits(6, 40, seed=40).as_subclass(_NoHostSync)
     temps = [0.0, 1.0, 0.5, 0.0, 2.0, 1.0]
