@@ -89,6 +89,7 @@ def test_show_source_shows_each_region_as_its_stub(key):
         shown = elided_source(obj)
         assert region.stub().strip() in shown, region.id
         assert region.summary in shown  # the handout docstring stays
+        assert "# >>> assignment" not in shown and "# <<< assignment" not in shown, region.id
         assert not leaks(shown, key), region.id
 
 

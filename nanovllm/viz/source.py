@@ -2,8 +2,9 @@
 
 A chapter builds a component small, then prints the package's version with this helper and
 proves the two agree; the package stays the only home of engine code. The answer key never
-ships (chapters/INSTRUCTORS.md): an assignment region is shown as the student edition has it,
-its markers around the stub ``raise NotImplementedError(...)``, under the handout docstring.
+ships (chapters/INSTRUCTORS.md): an assignment region is shown as its stub alone,
+``raise NotImplementedError("assignment ID: ...")`` under the handout docstring, without the
+region's marker lines.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def elided_source(obj: Any) -> str:
     regions = regions_in_file(Path(path)) if path else []
     for region in sorted(regions, key=lambda r: r.start, reverse=True):
         if first <= region.start and region.end < first + len(lines):
-            lines[region.start - first + 1 : region.end - first] = [region.stub()]
+            lines[region.start - first : region.end - first + 1] = [region.stub()]
     return "".join(lines)
 
 
