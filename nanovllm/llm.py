@@ -91,7 +91,6 @@ class LLM:
 
     def _run(self, requests: list[list[Sequence]], use_tqdm: bool) -> list[RequestOutput]:
         states: list[RequestState] = []
-        finished: dict[str, RequestOutput] = {}
         try:
             with _ctrl_c_between_steps() as check_interrupt:
                 for samples in requests:  # a request's samples (SamplingParams.n)
@@ -102,16 +101,14 @@ class LLM:
                 with bar:
                     while self._outputs.has_unfinished_requests():
                         for update in self._outputs.process_outputs(self.engine.step()):
-                            if update.output is not None:
-                                finished[update.state.request_id] = update.output
-                                bar.update(1)
+                            bar.update(update.finished)
                         check_interrupt()
         except BaseException:  # Ctrl-C included: leave nothing of this call in the engine
             ids = [state.request_id for state in states]
             self.engine.abort_request(ids)
             self._outputs.abort(ids)
             raise
-        return [finished[state.request_id] for state in states]
+        return [state.output() for state in states]  # texts now: not between steps
 
     def chat(
         self,

@@ -233,14 +233,14 @@ class AsyncEngine:
 
     def _publish(self, outputs: list[EngineCoreOutput]) -> None:
         """Hand each request's new tokens to its stream; a finished request ends it."""
-        for state, out, output in self._outputs.process_outputs(outputs):
+        for state, out, finished in self._outputs.process_outputs(outputs):
             stream, index, logprobs = state.stream, out.index, out.new_logprobs
             ids = out.new_token_ids
-            if output is not None:
+            if finished:
                 with self._lock:  # (its id is free: a new request may have taken it already)
                     if self._streams.get(state.request_id) is stream:
                         del self._streams[state.request_id]
-                stream.end(ids, output, index=index, logprobs=logprobs)
+                stream.end(ids, state.output(), index=index, logprobs=logprobs)
             elif out.finished:  # one sample has ended, others go on
                 stream.push(ids, index, logprobs, state.output().outputs[index])
             else:

@@ -139,8 +139,9 @@ class BlockManager:
         sit in the free queue (reviving one takes it out of the queue)."""
         total = seq.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
         fresh = self.blocks_needed(total) - len(seq.block_table) - len(cached)
-        revived = sum(1 for b in cached if self.blocks[b].ref_count == 0)
-        return max(fresh, 0) + revived
+        if not cached:  # (every decode step of every sequence: keep it cheap)
+            return max(fresh, 0)
+        return max(fresh, 0) + sum(1 for b in cached if self.blocks[b].ref_count == 0)
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> bool:
         return self.num_blocks_to_allocate(seq, num_new_tokens, cached) <= len(self.free_ids)
@@ -192,7 +193,7 @@ class BlockManager:
             seq.block_table.append(block_id)
             seq.block_hashes.append(block.hash)
         total = seq.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
-        while len(seq.block_table) < self.blocks_needed(total):
+        for _ in range(self.blocks_needed(total) - len(seq.block_table)):
             seq.block_table.append(self._take_free_block())
         self.cache_full_blocks(seq, total)
         return True

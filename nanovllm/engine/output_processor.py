@@ -125,12 +125,14 @@ class RequestState:
 
 
 class RequestUpdate(NamedTuple):
-    """One report applied to its request; with the request's last report (its last sample
-    ended), its final ``output``."""
+    """One report applied to its request; ``finished`` with the request's last report (its
+    last sample ended): ``state.output()`` is then final. Building it (detokenizing every
+    sample) is the caller's choice of moment: ``LLM.generate`` waits until no step is left
+    to launch, so no detokenization stands between two steps."""
 
     state: RequestState
     delta: EngineCoreOutput
-    output: RequestOutput | None = None
+    finished: bool = False
 
 
 class OutputProcessor:
@@ -156,19 +158,18 @@ class OutputProcessor:
 
     def process_outputs(self, outputs: Iterable[EngineCoreOutput]) -> list[RequestUpdate]:
         """Apply a step's reports to their requests (others' reports are skipped). A
-        request that finished gets its final output, then is dropped and its id released."""
+        request that finished is dropped and its id released."""
         updates = []
         for out in outputs:
             state = self.states.get(out.request_id)
             if state is None:
                 continue  # another caller's request: not ours to report
             state.update(out)
-            output = None
-            if out.finished and state.finished:
-                output = state.output()  # first: if it raises, the request is still listed
+            finished = out.finished and state.finished
+            if finished:
                 del self.states[out.request_id]
                 self.request_ids.release(out.request_id)
-            updates.append(RequestUpdate(state, out, output))
+            updates.append(RequestUpdate(state, out, finished))
         return updates
 
     def abort(self, request_ids: Iterable[str]) -> None:
