@@ -34,12 +34,18 @@ MAX_ANSWER_BYTES = 1 << 20
 STUB = re.compile(r"assignment (\d\d\.\w+)")
 
 
-def questions(chapter: str):
-    """Chapter ``chapter``'s questions, in order."""
+def all_questions() -> dict:
+    """Every question, by id, in chapter order (both halves of the registry loaded)."""
+    from nanovllm.course import analysis_questions_late  # noqa: F401  (registers 07-13)
     from nanovllm.course.analysis_questions import QUESTIONS
 
+    return QUESTIONS
+
+
+def questions(chapter: str):
+    """Chapter ``chapter``'s questions, in order."""
     chapter = f"{int(chapter):02d}"
-    return [q for q in QUESTIONS.values() if q.chapter == chapter]
+    return [q for q in all_questions().values() if q.chapter == chapter]
 
 
 def ask(chapter: str) -> None:
@@ -60,11 +66,9 @@ def template(chapter: str) -> dict:
 
 def write_templates(root: Path) -> None:
     """``root``/analysis/NN.json for every chapter with questions (an edition's blanks)."""
-    from nanovllm.course.analysis_questions import QUESTIONS
-
     folder = Path(root) / FOLDER
     folder.mkdir(parents=True, exist_ok=True)
-    for chapter in sorted({q.chapter for q in QUESTIONS.values()}):
+    for chapter in sorted({q.chapter for q in all_questions().values()}):
         (folder / f"{chapter}.json").write_text(json.dumps(template(chapter), indent=1) + "\n")
 
 

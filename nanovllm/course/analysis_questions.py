@@ -1,5 +1,6 @@
-"""The analysis questions of chapters 01–13: predict a number, then measure it (chapter 00
-explains the workflow; :mod:`nanovllm.course.analysis` asks, measures and grades them).
+"""The analysis questions, the registry and the first half of the book's: predict a number,
+then measure it (:mod:`nanovllm.course.analysis` asks, measures and grades them, and loads the
+second half, :mod:`nanovllm.course.analysis_questions_late`).
 
 Each ``measure`` computes its quantity with the package's own code, so in a student edition it
 runs the student's regions (a wrong region usually measures a different number; a stub raises
@@ -273,7 +274,3 @@ scheduled?""", "step")
 def _fair_turn() -> float:
     _, steps = _simulate([8] * 5, 4, policy="fair", users=["A"] * 4 + ["B"], max_num_seqs=2)
     return next(i + 1 for i, b in enumerate(steps) if any(s.user == "B" for s in b.seqs))
-
-
-# Chapters 07–13 register themselves on import (a file of their own keeps both short).
-from nanovllm.course import analysis_questions_late  # noqa: E402, F401

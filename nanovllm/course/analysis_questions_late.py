@@ -1,5 +1,5 @@
-"""The analysis questions of chapters 07–13 (the registry and chapters 01–06:
-:mod:`nanovllm.course.analysis_questions`, which imports this module)."""
+"""The analysis questions of the second half of the book, from CUDA graphs to troubleshooting
+(the registry and the first half: :mod:`nanovllm.course.analysis_questions`)."""
 
 from __future__ import annotations
 
