@@ -10,6 +10,7 @@
 #   make student [CHAPTERS=04 [THROUGH=1]]  student edition in dist/student (STUDENT_OUT=...)
 #   make check [CHAPTERS=04]    in an edition: the public tests of each assignment, readable
 #   make grade [STUDENT=path]   grade a student's regions with these tests (chapters/INSTRUCTORS.md)
+#   make analysis CH=06 [MEASURE=1]  a chapter's analysis questions; MEASURE=1 fills analysis/06.json
 #   make book                   the rendered book (HTML) in build/book/_build/html (book/)
 #   make browser                Chromium from the system packages, for tests/test_book.py
 #   make clean                  caches and build leftovers (keeps .venv and the model cache)
@@ -38,6 +39,7 @@ CHAPTERS ?=
 THROUGH ?=
 STUDENT_OUT ?= dist/student
 STUDENT ?=
+MEASURE ?=
 GRADE_JSON ?= dist/grade.json
 
 # The stamp is rebuilt (everything re-installed) whenever pyproject.toml changes.
@@ -58,10 +60,11 @@ NOTEBOOKS = $(wildcard chapters/[0-9]*.ipynb)
 NBVAL = --nbval-sanitize-with chapters/sanitize.cfg --nbval-current-env -p no:cacheprovider
 
 .PHONY: help demo test notebooks lint test-gpu bench clean distclean weights student grade check
+.PHONY: analysis
 .PHONY: book browser
 
 help:
-	@sed -n '4,15s/^# //p' $(firstword $(MAKEFILE_LIST))
+	@sed -n '4,16s/^# //p' $(firstword $(MAKEFILE_LIST))
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -134,6 +137,12 @@ grade: weights
 
 check: weights
 	$(PY) -m nanovllm.course.check --root $(CURDIR) $(if $(CHAPTERS),--chapters $(CHAPTERS))
+
+# analysis: a chapter's predict-then-measure questions (nanovllm/course/analysis.py); with
+# MEASURE=1 the edition's own code measures them into analysis/$(CH).json.
+analysis: $(SETUP)
+	@$(if $(CH),,echo "usage: make analysis CH=06 [MEASURE=1]" >&2; exit 2)
+	$(PY) -m nanovllm.course.analysis $(CH) --root $(CURDIR) $(if $(MEASURE),--measure)
 
 # The book: stage book/ and the executed chapters (nanovllm/viz/book.py fills the chapter map and
 # the runtime table from the notebooks' metadata), then render the committed outputs; nothing

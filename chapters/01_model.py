@@ -2036,6 +2036,20 @@ print("Exercise 6 passed: logprob_and_rank matches the frozen values, also where
       "underflows")
 
 # %% [markdown]
+# ## Analysis questions
+#
+# Predict, then measure. For each question below, write a number and your reasoning in
+# `analysis/01.json` *before* measuring; then `make analysis CH=01 MEASURE=1` measures it
+# with your own code and fills in `measured`. The grader measures again on your code and
+# checks that the numbers agree (a point each, beside the assignment points); how close your
+# prediction came is not graded: it is for your writeup and the discussion.
+
+# %%
+from nanovllm.course import analysis
+
+analysis.ask("01")
+
+# %% [markdown]
 # ## Summary
 #
 # - A Llama-family decoder is an embedding, a stack of identical layers

@@ -1337,6 +1337,20 @@ print("Exercise 3 passed: pack_varlen on 5 random batches; packed attention matc
       "attention per sequence")
 
 # %% [markdown]
+# ## Analysis questions
+#
+# Predict, then measure. For each question below, write a number and your reasoning in
+# `analysis/02.json` *before* measuring; then `make analysis CH=02 MEASURE=1` measures it
+# with your own code and fills in `measured`. The grader measures again on your code and
+# checks that the numbers agree (a point each, beside the assignment points); how close your
+# prediction came is not graded: it is for your writeup and the discussion.
+
+# %%
+from nanovllm.course import analysis
+
+analysis.ask("02")
+
+# %% [markdown]
 # ## Summary
 #
 # - Attention is the only part of a layer whose cost grows with the context: about

@@ -1020,6 +1020,20 @@ for _ in range(100):
 print("Exercise 4 passed: paged_waste matches frozen values and a block-by-block reference")
 
 # %% [markdown]
+# ## Analysis questions
+#
+# Predict, then measure. For each question below, write a number and your reasoning in
+# `analysis/03.json` *before* measuring; then `make analysis CH=03 MEASURE=1` measures it
+# with your own code and fills in `measured`. The grader measures again on your code and
+# checks that the numbers agree (a point each, beside the assignment points); how close your
+# prediction came is not graded: it is for your writeup and the discussion.
+
+# %%
+from nanovllm.course import analysis
+
+analysis.ask("03")
+
+# %% [markdown]
 # ## Summary
 #
 # - Generation has two phases. **Prefill** runs the prompt through the model in one pass

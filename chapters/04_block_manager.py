@@ -1397,6 +1397,20 @@ print(f"Exercise 3 passed: free_blocks_taken matches a free-list model on 300 ad
       f"({with_revived} reviving freed cached blocks)")
 
 # %% [markdown]
+# ## Analysis questions
+#
+# Predict, then measure. For each question below, write a number and your reasoning in
+# `analysis/04.json` *before* measuring; then `make analysis CH=04 MEASURE=1` measures it
+# with your own code and fills in `measured`. The grader measures again on your code and
+# checks that the numbers agree (a point each, beside the assignment points); how close your
+# prediction came is not graded: it is for your writeup and the discussion.
+
+# %%
+from nanovllm.course import analysis
+
+analysis.ask("04")
+
+# %% [markdown]
 # ## Summary
 #
 # - The KV cache is one tensor cut into **blocks** of `block_size` tokens. A request owns a

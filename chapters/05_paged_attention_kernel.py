@@ -994,6 +994,20 @@ for _ in range(50):
 print("Exercise 3 passed: decode_call_bytes matches the H200 record and the tensors' sizes")
 
 # %% [markdown]
+# ## Analysis questions
+#
+# Predict, then measure. For each question below, write a number and your reasoning in
+# `analysis/05.json` *before* measuring; then `make analysis CH=05 MEASURE=1` measures it
+# with your own code and fills in `measured`. The grader measures again on your code and
+# checks that the numbers agree (a point each, beside the assignment points); how close your
+# prediction came is not graded: it is for your writeup and the discussion.
+
+# %%
+from nanovllm.course import analysis
+
+analysis.ask("05")
+
+# %% [markdown]
 # ## Summary
 #
 # - Decode attention does about $2H/(H_{kv}e)$ operations per byte, two for Qwen3-0.6B in

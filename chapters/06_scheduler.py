@@ -1194,6 +1194,20 @@ for _ in range(100):
 print("Exercise 3 passed: chunk_plan fills every step's token budget as expected")
 
 # %% [markdown]
+# ## Analysis questions
+#
+# Predict, then measure. For each question below, write a number and your reasoning in
+# `analysis/06.json` *before* measuring; then `make analysis CH=06 MEASURE=1` measures it
+# with your own code and fills in `measured`. The grader measures again on your code and
+# checks that the numbers agree (a point each, beside the assignment points); how close your
+# prediction came is not graded: it is for your writeup and the discussion.
+
+# %%
+from nanovllm.course import analysis
+
+analysis.ask("06")
+
+# %% [markdown]
 # ## Summary
 #
 # * The scheduler decides, before every step, which sequences run and how many tokens each

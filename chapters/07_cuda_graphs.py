@@ -919,6 +919,20 @@ assert all(torch.equal(a, b) for a, b in zip(same, (ids, slots, lens, tables))),
 print("Exercise 2 passed: padded rows write nothing and real rows are untouched")
 
 # %% [markdown]
+# ## Analysis questions
+#
+# Predict, then measure. For each question below, write a number and your reasoning in
+# `analysis/07.json` *before* measuring; then `make analysis CH=07 MEASURE=1` measures it
+# with your own code and fills in `measured`. The grader measures again on your code and
+# checks that the numbers agree (a point each, beside the assignment points); how close your
+# prediction came is not graded: it is for your writeup and the discussion.
+
+# %%
+from nanovllm.course import analysis
+
+analysis.ask("07")
+
+# %% [markdown]
 # ## Summary
 #
 # - A decode step of Qwen3-0.6B is about 1,400 kernel launches with the PyTorch path, and about

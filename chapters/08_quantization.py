@@ -1556,6 +1556,20 @@ assert (rel[[0, 1, 2, 3, 4, 6]] < 0.02).all(), f"per-token scales: each token's 
 print("Exercise 3 passed: int8_w8a8 is per-token x per-channel int8 with an integer sum")
 
 # %% [markdown]
+# ## Analysis questions
+#
+# Predict, then measure. For each question below, write a number and your reasoning in
+# `analysis/08.json` *before* measuring; then `make analysis CH=08 MEASURE=1` measures it
+# with your own code and fills in `measured`. The grader measures again on your code and
+# checks that the numbers agree (a point each, beside the assignment points); how close your
+# prediction came is not graded: it is for your writeup and the discussion.
+
+# %%
+from nanovllm.course import analysis
+
+analysis.ask("08")
+
+# %% [markdown]
 # ## Summary
 #
 # - A decode step reads every weight once for all $B$ sequences and each sequence's KV cache:

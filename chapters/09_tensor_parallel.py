@@ -895,6 +895,20 @@ for n, lat, bw in [(2, 4.3, 150.0), (8, 1.7, 40.0), (4, 10.0, 300.0)]:
 print("Exercise 2 passed: the ring model and its least-squares fit")
 
 # %% [markdown]
+# ## Analysis questions
+#
+# Predict, then measure. For each question below, write a number and your reasoning in
+# `analysis/09.json` *before* measuring; then `make analysis CH=09 MEASURE=1` measures it
+# with your own code and fills in `measured`. The grader measures again on your code and
+# checks that the numbers agree (a point each, beside the assignment points); how close your
+# prediction came is not graded: it is for your writeup and the discussion.
+
+# %%
+from nanovllm.course import analysis
+
+analysis.ask("09")
+
+# %% [markdown]
 # ## Summary
 #
 # - **Why**: each of $N$ GPUs holds $1/N$ of the weights and $1/N$ of every token's KV cache

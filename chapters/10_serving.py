@@ -655,6 +655,20 @@ for _ in range(200):
 print("Exercise 2 passed: the wait is exactly when both buckets first hold enough")
 
 # %% [markdown]
+# ## Analysis questions
+#
+# Predict, then measure. For each question below, write a number and your reasoning in
+# `analysis/10.json` *before* measuring; then `make analysis CH=10 MEASURE=1` measures it
+# with your own code and fills in `measured`. The grader measures again on your code and
+# checks that the numbers agree (a point each, beside the assignment points); how close your
+# prediction came is not graded: it is for your writeup and the discussion.
+
+# %%
+from nanovllm.course import analysis
+
+analysis.ask("10")
+
+# %% [markdown]
 # ## Summary
 #
 # - A server runs the engine loop on its own thread and the network on an asyncio event loop;

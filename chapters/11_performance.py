@@ -1448,6 +1448,20 @@ for _ in range(50):
 print("Exercise 3 passed: max_concurrent agrees with hand-worked cases and a filled free list")
 
 # %% [markdown]
+# ## Analysis questions
+#
+# Predict, then measure. For each question below, write a number and your reasoning in
+# `analysis/11.json` *before* measuring; then `make analysis CH=11 MEASURE=1` measures it
+# with your own code and fills in `measured`. The grader measures again on your code and
+# checks that the numbers agree (a point each, beside the assignment points); how close your
+# prediction came is not graded: it is for your writeup and the discussion.
+
+# %%
+from nanovllm.course import analysis
+
+analysis.ask("11")
+
+# %% [markdown]
 # ## Summary
 #
 # - On the nano-vllm workload (256 requests, 133,966 output tokens), the engine produced about

@@ -886,6 +886,20 @@ for n in range(0, 70):
 print("Exercise 3 passed: blocks_outside_window counts the freeable blocks")
 
 # %% [markdown]
+# ## Analysis questions
+#
+# Predict, then measure. For each question below, write a number and your reasoning in
+# `analysis/12.json` *before* measuring; then `make analysis CH=12 MEASURE=1` measures it
+# with your own code and fills in `measured`. The grader measures again on your code and
+# checks that the numbers agree (a point each, beside the assignment points); how close your
+# prediction came is not graded: it is for your writeup and the discussion.
+
+# %%
+from nanovllm.course import analysis
+
+analysis.ask("12")
+
+# %% [markdown]
 # ## Summary
 #
 # - Past its trained length $L$ a RoPE model meets rotation angles it never saw, on its slow

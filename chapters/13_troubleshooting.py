@@ -891,6 +891,20 @@ print(f"Exercise 2 passed: first fit is exact; {fragmented} requests refused wit
       "memory in total")
 
 # %% [markdown]
+# ## Analysis questions
+#
+# Predict, then measure. For each question below, write a number and your reasoning in
+# `analysis/13.json` *before* measuring; then `make analysis CH=13 MEASURE=1` measures it
+# with your own code and fills in `measured`. The grader measures again on your code and
+# checks that the numbers agree (a point each, beside the assignment points); how close your
+# prediction came is not graded: it is for your writeup and the discussion.
+
+# %%
+from nanovllm.course import analysis
+
+analysis.ask("13")
+
+# %% [markdown]
 # ## Summary
 #
 # - **KV leaks** are silent: the usage creeps up, throughput sinks, the engine stalls. The leak

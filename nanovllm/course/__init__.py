@@ -10,6 +10,9 @@
   :mod:`~nanovllm.course.pytest_plugin` where nothing leads to the reference;
 * :mod:`nanovllm.course.answer_key` finds the reference code and the worked solutions in any
   text, so that no edition and no book ships them;
+* :mod:`nanovllm.course.analysis` asks each chapter's predict-then-measure questions, measures
+  them with the student's code and scores them beside the points (the questions:
+  :mod:`~nanovllm.course.analysis_questions`, :mod:`~nanovllm.course.analysis_questions_late`);
 * :mod:`nanovllm.course.audit` checks that graded tests carry every id they reach;
 * :mod:`nanovllm.course.exercises` pairs the chapters' notebook exercises with their checks and
   their instructor-only solutions.

@@ -12,7 +12,9 @@ from the report is a failure; too few or unknown tests, or times that add up to 
 run took, are flagged). Partial credit: points x passed / tests marked with the assignment. A
 region that is missing, malformed or flagged scores 0, the reason beside it; a chapter whose
 process crashes or runs past ``--timeout`` scores 0, and grading goes on. Without ``--student``
-the repository grades its own regions (it must score full marks).
+the repository grades its own regions (it must score full marks). The analysis questions
+(:mod:`nanovllm.course.analysis`) are measured again in the sandbox on the spliced tree and
+scored beside the points, not inside them.
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from nanovllm.course import analysis
 from nanovllm.course.regions import Region, find_regions
 from nanovllm.course.sandbox import Sandbox
 from nanovllm.course.submission import Submitted, read_submission, splice_package
 
 TREE_FILES = ("pyproject.toml",)
+ANALYSIS_TIMEOUT = 300  # seconds per chapter's measurements (each question takes seconds)
 IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache", ".hypothesis")
 
 
@@ -137,12 +141,18 @@ def grade(
             report["anomalies"] = anomalies(report, mine)
             reports[chapter] = report
             shutil.rmtree(tree, ignore_errors=True)
+        # The analysis questions: measured again here, on a fresh copy of the spliced tree.
+        shutil.copytree(spliced, workdir / "analysis")
+        answers = analysis.grade_analysis(
+            sandbox, workdir / "analysis", student, wanted, min(timeout, ANALYSIS_TIMEOUT)
+        )
     rows = score(graded, submitted, expected, reports)
     return {
         "student": str(student),
         "assignments": rows,
         "total": round(sum(r["earned"] for r in rows), 2),
         "max": sum(r["points"] for r in rows),
+        "analysis": answers,
         "chapters": reports,
     }
 
@@ -160,6 +170,8 @@ def table(result: dict) -> str:
         if r["first_failure"] and r["earned"] < r["points"]:
             lines.append(f"    first failure: {r['first_failure'].splitlines()[0][:200]}")
     lines.append(f"TOTAL: {result['total']:g} / {result['max']} points")
+    if "analysis" in result:
+        lines.append(analysis.table(result["analysis"]))
     return "\n".join(lines)
 
 

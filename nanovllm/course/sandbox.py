@@ -36,6 +36,16 @@ spec.loader.exec_module(plugin)
 import pytest
 sys.exit(pytest.main(args, plugins=[plugin]))
 '''
+# The same start for a module of the tree run as a script (the analysis measurements): no
+# plugin, the module's own ``main`` reads its arguments.
+MODULE_BOOTSTRAP = '''"""Trusted start of a sandboxed module run (nanovllm.course.sandbox)."""
+import runpy, site, sys
+tree, view, module, *args = sys.argv[1:]
+sys.argv[:] = [module] + args
+sys.path[:] = [tree] + sys.path
+site.addsitedir(view)
+runpy.run_module(module, run_name="__main__", alter_sys=True)
+'''
 # Environment variables a run inherits (everything else, PYTHONPATH included, is dropped).
 PASSED_ON = (
     "HOME", "LANG", "LC_ALL", "TMPDIR", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS",
@@ -74,6 +84,8 @@ class Sandbox:
         self.plugin.write_bytes(PLUGIN.read_bytes())
         self.bootstrap = self.private / "bootstrap.py"
         self.bootstrap.write_text(BOOTSTRAP.format(module=PLUGIN_MODULE))
+        self.module_bootstrap = self.private / "run_module.py"
+        self.module_bootstrap.write_text(MODULE_BOOTSTRAP)
         self.view = site_view(self.private / "site-packages", repo)
 
     def env(self, tree: Path, report: Path, chapter: str | None) -> dict[str, str]:
@@ -110,27 +122,53 @@ class Sandbox:
         cmd = [sys.executable, "-S", "-s", "-P", str(self.bootstrap), str(tree), str(self.view)]
         cmd += [str(self.plugin), *tests, "-m", "assignment", "-q", "-p", "no:cacheprovider"]
         cmd += ["--rootdir", str(tree), "-c", str(tree / "pyproject.toml"), *extra]
-        start = time.monotonic()
-        with open(log, "w") as out:
-            proc = subprocess.Popen(
-                cmd, cwd=tree, env=self.env(tree, report, chapter), stdout=out,
-                stderr=subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
-            try:
-                code = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                return {"status": f"timeout after {timeout:g} s", "tests": [], "wall_s": timeout}
-            finally:
-                try:  # children a test left behind (worker processes) go with it
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        wall = time.monotonic() - start
+        code, wall = self._spawn(cmd, tree, self.env(tree, report, chapter), timeout, log)
+        if code is None:
+            return {"status": f"timeout after {timeout:g} s", "tests": [], "wall_s": timeout}
         if code not in (0, 1, 5) or not report.exists():  # 5: no tests ran
             tail = log.read_text(errors="replace")[-2000:]
             return {"status": f"crashed (exit {code})", "tests": [], "output": tail, "wall_s": wall}
         result = json.loads(report.read_text())
         result.update(status="ok", wall_s=wall)
         return result
+
+    def run_module(
+        self, tree: Path, module: str, args: list[str], timeout: float, name: str
+    ) -> dict:
+        """``python -m module *args`` of ``tree``, started as the graded pytest runs are (same
+        environment, ``sys.path`` and site view; no plugin): ``status``, ``wall_s`` and the
+        output's tail. ``args`` may name files in ``self.private`` for the results."""
+        log = self.private / f"{name}.log"
+        cmd = [sys.executable, "-S", "-s", "-P", str(self.module_bootstrap), str(tree)]
+        cmd += [str(self.view), module, *args]
+        env = self.env(tree, self.private / f"{name}.unused", None)
+        code, wall = self._spawn(cmd, tree, env, timeout, log)
+        tail = log.read_text(errors="replace")[-2000:]
+        if code is None:
+            return {"status": f"timeout after {timeout:g} s", "wall_s": timeout, "output": tail}
+        status = "ok" if code == 0 else f"crashed (exit {code})"
+        return {"status": status, "wall_s": wall, "output": tail}
+
+    @staticmethod
+    def _spawn(cmd, tree: Path, env: dict, timeout: float, log: Path) -> tuple[int | None, float]:
+        """Run ``cmd`` in ``tree`` in its own process group, output to ``log``; (exit code or
+        None after ``timeout``, wall seconds). The group is killed either way: children a
+        run left behind (worker processes) go with it."""
+        start = time.monotonic()
+        with open(log, "w") as out:
+            proc = subprocess.Popen(
+                cmd, cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+            try:
+                code = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                return None, timeout
+            finally:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        return code, time.monotonic() - start

@@ -9,7 +9,8 @@ keeps every other chapter's reference solution, so that week's notebook runs end
 chapter 04 is filled in; ``--through`` cuts chapter 04 and every later one, so a week's edition
 does not ship the later weeks' answers). A cut region keeps its markers around the stub: the
 student writes between them, and the grader takes exactly that code. ``course.json`` lists the
-assignments cut; ``make check`` inside the edition runs their public tests.
+assignments cut; ``make check`` inside the edition runs their public tests; ``analysis/NN.json``
+are the blank answers to the chapters' analysis questions (:mod:`nanovllm.course.analysis`).
 
 Never copied: the exercises' worked solutions (``chapters/solutions/``; the chapters hold only
 the stubs), ``chapters/INSTRUCTORS.md``, the private tests (listed in
@@ -25,6 +26,7 @@ import json
 import shutil
 from pathlib import Path
 
+from nanovllm.course.analysis import write_templates
 from nanovllm.course.answer_key import key_lines, scrub_notebook
 from nanovllm.course.check import EDITION_FILE
 from nanovllm.course.exercises import strip_notebook, strip_solutions
@@ -78,6 +80,7 @@ def build(out: Path, repo: Path, chapters=None, ids=None, through: bool = False)
         for r in regions
     ]  # fmt: skip
     (out / EDITION_FILE).write_text(json.dumps({"assignments": listing}, indent=1) + "\n")
+    write_templates(out)  # analysis/NN.json: blank answers to the analysis questions
     return regions
 
 
