@@ -263,6 +263,25 @@ for out in outputs[:2]:
 # notion of memory at all (the block manager, chapter 04).
 
 # %% [markdown]
+# The engine keeps this loop but cuts each of its iterations into three calls, with a batch of
+# requests instead of one, which Figure 0.1 draws: **schedule** (choose the requests and the
+# number of tokens each computes this step, and give them KV-cache slots), **execute** (lay the
+# tokens out, run the model, sample) and **update** (append the tokens, stop finished requests,
+# free their memory). Deciding again at every step which requests run is Orca's iteration-level
+# scheduling {cite}`yu2022orca`; the block-based cache is vLLM's {cite}`kwon2023paged`, and the
+# package's shape follows nano-vllm {cite}`nanovllm_upstream` and vLLM {cite}`vllm_software`. The
+# boxes name the package's methods; the drawing is made from them (`nanovllm/viz/diagrams.py`), so
+# a rename shows here.
+
+# %%
+from nanovllm.viz import figure
+from nanovllm.viz.diagrams import engine_step_diagram
+
+fig = engine_step_diagram()
+figure(fig, "00_engine_step",
+       "One engine step: schedule, execute, update, and what flows between them.")
+
+# %% [markdown]
 # ## 7. The map of the book and of the package
 #
 # Each chapter builds one component small, in the notebook, then shows the package's version,

@@ -48,6 +48,16 @@
 # `nanovllm/sampling_params.py`, `nanovllm/engine/sampling_metadata.py` and the `Logprob`
 # entries of `nanovllm/outputs.py`.
 
+# %%
+from nanovllm.viz.diagrams import show_roadmap
+
+show_roadmap(1)
+
+# %% [markdown]
+# **Builds on:** the transformer {cite}`vaswani2017attention`, rotary position embeddings
+# {cite}`su2024roformer` and grouped-query attention {cite}`ainslie2023gqa`. The references are
+# collected in the book's bibliography.
+
 # %% [markdown]
 # ## Setup
 #

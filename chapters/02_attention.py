@@ -45,6 +45,17 @@
 # `nanovllm/kernels/prefill_attention.py` (the Triton varlen paged prefill kernel) and
 # `nanovllm/benchmarks/prefill_kernel.py` (its benchmark).
 
+# %%
+from nanovllm.viz.diagrams import show_roadmap
+
+show_roadmap(2)
+
+# %% [markdown]
+# **Builds on:** online softmax {cite}`milakov2018online` and FlashAttention 1-3
+# {cite}`dao2022flashattention,dao2024flashattention2,shah2024flashattention3`; §7 compares with
+# FlashAttention-4 {cite}`flashattention4`. The references are collected in the book's
+# bibliography.
+
 # %% [markdown]
 # ## Setup
 #
@@ -389,7 +400,25 @@ for start in range(0, row + 1, tile):
 # Whenever a tile brings a larger score, $m$ rises and $\alpha < 1$ shrinks the old sum;
 # otherwise $\alpha = 1$. The differences in the last column are fp32 rounding (below
 # $10^{-6}$): the running result *is* attention over the keys seen so far, at every step.
-#
+
+# %% [markdown]
+# Figure 2.1 draws the same computation the way the Triton kernel of §5 organises it: the score
+# matrix of one sequence is cut into tiles of queries and keys (the package's tile sizes on a
+# GPU), tiles above the diagonal are never loaded, and each query tile walks its key tiles keeping
+# only $m$, $\ell$ and the unnormalised output. The running-maximum rule is Milakov and
+# Gimelshein's online softmax {cite}`milakov2018online`; FlashAttention
+# {cite}`dao2022flashattention` made it the tiling of attention.
+
+# %%
+from nanovllm.viz import figure
+from nanovllm.viz.kernel_diagrams import online_softmax_diagram
+
+fig = online_softmax_diagram()
+figure(fig, "02_online_softmax_tiles",
+       "Online softmax over tiles: full, masked and skipped tiles of a causal prefill, and the"
+       " running state one query tile keeps.")
+
+# %% [markdown]
 # ### 2.5 Grouped-query attention
 #
 # A model runs $H$ heads in parallel, each with its own projections. In grouped-query

@@ -41,6 +41,11 @@
 # and reads the cache), `nanovllm/context.py` (the per-step attention metadata; `None` means no
 # cache), and `nanovllm/models/llama.py` (the model whose cache we build).
 
+# %%
+from nanovllm.viz.diagrams import show_roadmap
+
+show_roadmap(3)
+
 # %% [markdown]
 # ## Setup
 #

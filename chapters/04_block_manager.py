@@ -49,6 +49,15 @@
 # `nanovllm/context.py` (how they reach the attention layers) and the counters in
 # `nanovllm/engine/llm_engine.py` / `metrics.py`.
 
+# %%
+from nanovllm.viz.diagrams import show_roadmap
+
+show_roadmap(4)
+
+# %% [markdown]
+# **Builds on:** PagedAttention {cite}`kwon2023paged`; prefix sharing as in SGLang's
+# RadixAttention {cite}`zheng2024sglang`. The references are collected in the book's bibliography.
+
 # %% [markdown]
 # ## Setup
 #
@@ -107,7 +116,23 @@ print("device:", device)
 # A request of $n$ tokens holds $\lceil n/b \rceil$ blocks, so it wastes fewer than $b$ slots,
 # however long it gets, and it takes a new block only when its last one is full. Nothing is
 # reserved for tokens that may never come.
-#
+
+# %% [markdown]
+# Figure 4.1 puts the formula to work on a small cache of 8 blocks. The block tables come from the
+# package's `BlockManager` (request B finished, and its block went to D, so D's table starts at
+# block 2) and the ringed slots of the next decode step from `pack_step`, the code the model
+# runner runs every step. This is the memory layout of PagedAttention {cite}`kwon2023paged`.
+
+# %%
+from nanovllm.viz import figure
+from nanovllm.viz.kernel_diagrams import block_table_diagram
+
+fig = block_table_diagram()
+figure(fig, "04_block_table_slots",
+       "Block tables point into the physical KV cache; a decode token's slot is block_table[p "
+       "// b] * b + p % b.")
+
+# %% [markdown]
 # ### 1.2 Watching a real engine
 #
 # We start the engine on SmolLM2-135M with a tiny cache of 32 blocks of 16 tokens, so that the

@@ -37,6 +37,16 @@
 # `nanovllm/kernels/store_kv.py` (the cache-write kernel), the `triton` backend in
 # `nanovllm/layers/attention.py`, and the benchmark `nanovllm/benchmarks/decode_kernel.py`.
 
+# %%
+from nanovllm.viz.diagrams import show_roadmap
+
+show_roadmap(5)
+
+# %% [markdown]
+# **Builds on:** PagedAttention {cite}`kwon2023paged`, flash-decoding {cite}`dao2023flashdecoding`
+# and the roofline model {cite}`williams2009roofline`. The references are collected in the book's
+# bibliography.
+
 # %% [markdown]
 # ## Setup
 #
@@ -411,7 +421,23 @@ for batch in (1, 4, 16, 32, 33, 64, 256):
 # 32 splits, the cap); from batch 33 on, `batch × 8 ≥ 2 × 132` programs already fill the GPU
 # and nothing is split. The rule looks only at shapes, never at the data, so a decode step that
 # calls it can be recorded in a CUDA graph (chapter 07).
-#
+
+# %% [markdown]
+# Figure 5.1 draws the split for Qwen3-0.6B's shapes on an H200: `choose_num_splits` decides the
+# count from the batch and the number of SMs alone, the kernel gives each split a whole number of
+# key tiles, and `combine_splits` merges the partial $(m, \ell, \text{acc})$ with the log-sum-exp
+# rule. The idea is flash-decoding {cite}`dao2023flashdecoding`.
+
+# %%
+from nanovllm.viz import figure
+from nanovllm.viz.kernel_diagrams import split_kv_diagram
+
+fig = split_kv_diagram()
+figure(fig, "05_split_kv",
+       "Split-KV decode: one sequence's keys cut into splits, one program each, merged by "
+       "combine_splits.")
+
+# %% [markdown]
 # ## 7. The package's kernel
 #
 # Now the real thing, `nanovllm/kernels/decode_attention.py`. Read the kernel with the four

@@ -48,6 +48,16 @@
 # (an argument of `generate` and `add_request`, as in vLLM) and, briefly,
 # `nanovllm/engine/async_engine.py`.
 
+# %%
+from nanovllm.viz.diagrams import show_roadmap
+
+show_roadmap(6)
+
+# %% [markdown]
+# **Builds on:** iteration-level scheduling from Orca {cite}`yu2022orca`, chunked prefill from
+# Sarathi-Serve {cite}`agrawal2024sarathi` and preemption as in vLLM {cite}`kwon2023paged`. The
+# references are collected in the book's bibliography.
+
 # %% [markdown]
 # ## Setup
 #

@@ -38,6 +38,11 @@
 # `DecodeGraphs`), where `nanovllm/engine/model_runner.py` switches graphs on, and
 # `decode_step_benchmark` in `nanovllm/benchmarks/decode_step.py`.
 
+# %%
+from nanovllm.viz.diagrams import show_roadmap
+
+show_roadmap(7)
+
 # %% [markdown]
 # ## Setup
 #
@@ -509,6 +514,20 @@ static_bytes = {
 for name, n in static_bytes.items():
     print(f"{name:44s} {n / 1024:8.1f} KiB")
 print(f"{'total':44s} {sum(static_bytes.values()) / 2**20:8.2f} MiB")
+
+# %% [markdown]
+# Figure 7.1 draws both halves for the engine's defaults: at start-up one graph per bucket of
+# `batch_buckets(max_num_seqs)`, and at every decode step a batch padded up to the smallest bucket
+# that holds it, the padded rows writing nowhere and attending to nothing.
+
+# %%
+from nanovllm.viz import figure
+from nanovllm.viz.kernel_diagrams import cuda_graph_diagram
+
+fig = cuda_graph_diagram()
+figure(fig, "07_graph_buckets",
+       "CUDA graphs: captured once per bucket at start-up, replayed with padding at every "
+       "decode step.")
 
 # %% [markdown]
 # ### 3.1 The padding contract, checked

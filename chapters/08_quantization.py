@@ -48,6 +48,16 @@
 # is sized for that (four short texts, eight generated tokens each), and the Triton kernel runs
 # on small shapes.
 
+# %%
+from nanovllm.viz.diagrams import show_roadmap
+
+show_roadmap(8)
+
+# %% [markdown]
+# **Builds on:** LLM.int8() {cite}`dettmers2022llmint8`, SmoothQuant {cite}`xiao2023smoothquant`
+# and the fp8 formats {cite}`micikevicius2022fp8`. The references are collected in the book's
+# bibliography.
+
 # %% [markdown]
 # ## Setup
 #

@@ -44,6 +44,15 @@
 # On a 2-core CPU the chapter runs in about two minutes; the GPU numbers come from a record
 # (section 7).
 
+# %%
+from nanovllm.viz.diagrams import show_roadmap
+
+show_roadmap(9)
+
+# %% [markdown]
+# **Builds on:** Megatron-LM's tensor parallelism {cite}`shoeybi2019megatron`. The references are
+# collected in the book's bibliography.
+
 # %% [markdown]
 # ## Setup
 #
@@ -414,7 +423,23 @@ same("ParallelLMHead, 3 slices concatenated", gathered, hidden @ table.T)
 # %% [markdown]
 # Each rank of a real engine runs these same lines; only the collectives are real, and
 # they are NCCL between GPUs and gloo between CPU processes.
-#
+
+# %% [markdown]
+# Figure 9.1 puts the pieces together for one decoder layer of Qwen3-0.6B at TP=2, with each
+# rank's weight shapes computed from the model's config: two column-parallel projections that need
+# no communication, two row-parallel ones, each followed by an all-reduce. This is Megatron-LM's
+# split of a transformer layer {cite}`shoeybi2019megatron`.
+
+# %%
+from nanovllm.viz import figure
+from nanovllm.viz.kernel_diagrams import tp_diagram
+
+fig = tp_diagram()
+figure(fig, "09_tp_layer",
+       "One decoder layer split over two ranks: column-parallel qkv and gate_up, row-parallel "
+       "o and down, one all-reduce after each of the latter.")
+
+# %% [markdown]
 # ## 6. The engine at TP=2, live on this CPU
 #
 # `LLM(..., tensor_parallel_size=2)` makes this process rank 0: it runs the scheduler, the

@@ -44,6 +44,15 @@
 # `server.py`: `serve` and `ServerThread`; `metrics.py`: Prometheus), and
 # `nanovllm/benchmarks/serve.py` (the load generator).
 
+# %%
+from nanovllm.viz.diagrams import show_roadmap
+
+show_roadmap(10)
+
+# %% [markdown]
+# **Builds on:** vLLM's OpenAI-compatible server {cite}`vllm_software`. The references are
+# collected in the book's bibliography.
+
 # %% [markdown]
 # ## Setup
 #
@@ -275,6 +284,21 @@ smol_server.stop()
 smol_engine.shutdown()
 print("server thread alive:", smol_server.thread.is_alive(), "| engine running:",
       smol_engine.is_running)
+
+# %% [markdown]
+# Figure 10.1 is the path every request of this section took, read from the steps that
+# `nanovllm/serve/serving.py` documents: each step can turn the request away with its own HTTP
+# status, and the ones that pass reach the engine's thread through the async engine, whose tokens
+# come back through asyncio queues.
+
+# %%
+from nanovllm.viz import figure
+from nanovllm.viz.diagrams import request_path_diagram
+
+fig = request_path_diagram()
+figure(fig, "10_request_path",
+       "A request's path through the server: each step and the status it answers with when it "
+       "refuses.")
 
 # %% [markdown]
 # ## 4. Rate limiting: the token bucket

@@ -34,6 +34,16 @@
 # (async scheduling, the KV-cache budget), `nanovllm/config.py` (the knobs)
 # and `nanovllm/layers/rotary.py` (RoPE scaling).
 
+# %%
+from nanovllm.viz.diagrams import show_roadmap
+
+show_roadmap(11)
+
+# %% [markdown]
+# **Builds on:** the roofline model {cite}`williams2009roofline`, gpt-fast {cite}`gptfast` and
+# nano-vllm's benchmark {cite}`nanovllm_upstream`. The references are collected in the book's
+# bibliography.
+
 # %% [markdown]
 # ## Setup
 
@@ -635,6 +645,19 @@ for name, rec in (("async off", sync_rec), ("async on", bench)):
           f"({rec['decode_only_steps']} decode-only), mean step {rec['mean_step_ms']:.2f} ms, "
           f"mean decode step {rec['mean_decode_step_ms']:.2f} ms "
           f"(mean batch {rec['mean_decode_batch']:.0f})")
+
+# %% [markdown]
+# Figure 11.1 lays the two modes side by side, with the phases measured in the synchronous run
+# above: without async scheduling the GPU waits while the CPU schedules, prepares and applies;
+# with it, the CPU's work for step $n+1$ hides under the GPU's step $n$.
+
+# %%
+from nanovllm.viz import figure
+from nanovllm.viz.diagrams import async_overlap_diagram
+
+fig = async_overlap_diagram()
+figure(fig, "11_async_overlap",
+       "Async scheduling: the CPU plans and launches step n+1 while the GPU computes step n.")
 
 # %% [markdown]
 # ### 4.3 The whole run, accounted

@@ -47,6 +47,16 @@
 # checks, and the long-text perplexity from a record made with the package's own command
 # (scoring 15,360 tokens takes minutes per variant on such a CPU, seconds on an H200).
 
+# %%
+from nanovllm.viz.diagrams import show_roadmap
+
+show_roadmap(12)
+
+# %% [markdown]
+# **Builds on:** position interpolation {cite}`chen2023positional`, NTK-aware scaling
+# {cite}`bloc97_2023ntk` and YaRN {cite}`peng2024yarn`. The references are collected in the book's
+# bibliography.
+
 # %% [markdown]
 # ## Setup
 

@@ -42,6 +42,11 @@
 #
 # Everything here runs on a 2-core CPU in about two minutes, on SmolLM2-135M in fp32.
 
+# %%
+from nanovllm.viz.diagrams import show_roadmap
+
+show_roadmap(13)
+
 # %% [markdown]
 # ## Setup
 
