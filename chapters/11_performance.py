@@ -755,8 +755,9 @@ for lo, hi in ((1, 16), (17, 64), (65, 255), (256, 256)):
 # H200's host it was several times larger than here (compare the profile's 3 ms of launch at
 # batch 256). Two more things would close the remaining gap: less host work per step (the
 # Python that builds each step's inputs could keep them on the GPU between steps and send only
-# what changed), and fewer steps with prompt tokens outside graphs. The kernels, at the
-# roofline, are no longer where the time is.
+# what changed), and fewer steps with prompt tokens outside graphs. The host is not the whole
+# gap, though: section 4.4 measures the device's own time by kind, and the kernels take most
+# of it.
 #
 # ### 4.4 The device's time by kind, and the first run
 #
@@ -1454,11 +1455,13 @@ print("Exercise 3 passed: max_concurrent agrees with hand-worked cases and a fil
 #   21,000 tok/s on an H200 with Qwen3-0.6B, about 50 times transformers' continuous batching
 #   on equal work (recorded; identical runs differ by several percent).
 # - The **bandwidth bound** (weights once per step plus every KV read, at the measured copy
-#   bandwidth) is about 3.6 s, some 37,000 tok/s: we run at 57% of it. The workload sits at
-#   about 25 FLOP/byte, far below the H200's ridge: decode is a bandwidth problem.
-# - The attention kernel runs at the roofline; the time beyond the bytes was in everything
-#   around it. **Fused kernels** (residual add + RMSNorm, q/k norm + RoPE, SiLU × up) cut a
-#   decode step from about 1,400 kernels to about 310, and the batch-1 step from 4.4 to 1.8 ms:
+#   bandwidth) is about 3.6 s, some 37,000 tok/s: that record reached 57% of it, today's
+#   defaults 61% (section 4.4). The workload sits at about 25 FLOP/byte, far below the H200's
+#   ridge: decode is a bandwidth problem.
+# - The attention kernel runs near the roofline on fixed shapes (chapter 05); a decode step
+#   also pays for everything around it. **Fused kernels** (residual add + RMSNorm, q/k norm +
+#   RoPE, SiLU × up) cut a decode step from about 1,400 kernels to about 310, and the batch-1
+#   step from 4.4 to 1.8 ms:
 #   2.5 times the throughput. **Async scheduling** lets the CPU schedule and prepare step n+1
 #   while the GPU computes step n, feeding step n's tokens to step n+1 on the GPU through
 #   placeholders: the GPU went from about 70% to 90% busy at batch 256, another 1.6 times.
