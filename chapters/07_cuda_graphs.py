@@ -264,7 +264,8 @@ if breakdown_path.exists():
 else:
     print("host time breakdown: not recorded yet (figures/data/host_breakdown_h200.json; "
           "run the host_breakdown stage of tests/gpu/h200_session.sh on a GPU)")
-#
+
+# %% [markdown]
 # ## 2. Capture and replay
 #
 # A **CUDA graph** removes the host from the loop. During *capture*, the kernels the code

@@ -720,6 +720,7 @@ def run_workload(llm, work, max_tokens_cap=None):
     return time.perf_counter() - start, outs
 
 
+# %%
 # NBVAL_CHECK_OUTPUT
 null = null_engine(num_kv_blocks=20_000, max_model_len=4096)
 host_s, outs = run_workload(null, work)
