@@ -392,9 +392,11 @@ print(f"no scaling past L vs before L: {plain[2] / plain[1] - 1:+.1%} "
 #   variant finds easy). Dynamic NTK and YaRN keep it far lower past $L$ (the middle table's
 #   last column), for the small cost inside; linear, in this record, pays the most inside and
 #   gains nothing past $L$.
-# - So the seed's advice (dynamic NTK "beyond 50% of the training length") does not hold for
-#   SmolLM2 as stated: below $L$ every scaling costs perplexity; scaling pays **past** $L$,
-#   and there YaRN and dynamic NTK pay well. One model, one text and factor 2: a claim about
+# - So the advice this book set out to check (dynamic NTK "beyond 50% of the training
+#   length", one of the claims chapter 13 §9 lists) does not hold for SmolLM2 as stated: in
+#   the first half of $L$ every scaling costs perplexity, in the second half the cost depends
+#   on the scaling (linear even gains there); scaling pays **past** $L$, and there YaRN and
+#   dynamic NTK pay well. One model, one text and factor 2: a claim about
 #   this record, not a law.
 # - In an engine the frequencies are fixed per deployment (section 3): scale when requests
 #   are longer than $L$, and accept the in-range cost on the shorter ones. A long-context

@@ -693,11 +693,22 @@ else:
 #
 # The seed material ended with a table of deployment advice with numbers from elsewhere. Here
 # is the table rewritten with configurations this engine runs and throughput it measured,
-# read from the records in `figures/data/` (each row names its record, device and date). The
-# workload is the one of chapter 11 (the nano-vllm benchmark: 256 requests, 100-1024 prompt
-# and output tokens, random weights) unless the row says otherwise; the server rows are chapter
-# 10's load test (requests sent at a fixed rate, or all at once: "inf"); the tensor-parallel
-# rows are chapter 09's runs on two H200s.
+# read from the records in `figures/data/` (each row names its record, device, date and
+# workload). Throughput is only comparable between rows of one workload
+# (`nanovllm/benchmarks/workload.py` defines them; all use random weights):
+#
+# * **nano-vllm**: chapter 11's benchmark, 256 requests of 100-1024 prompt and output tokens,
+#   all there at the start: the throughput workload.
+# * **cpu**: 32 small requests, for a laptop.
+# * **arrivals**: 256 requests of mixed lengths let in as a Poisson process at 16 per second:
+#   throughput is capped by the arrival rate (the run cannot end before the last request
+#   arrives), and the record's point is latency.
+# * **long-prompts**: 16 requests of 8,192-32,768 prompt tokens and 128 new tokens each:
+#   almost all the work is prefill, which output tok/s does not count.
+# * **shared-prefix**: 128 requests behind one 2,048-token system prompt, 64-256 new tokens
+#   each: prefix caching computes the shared prompt once.
+# * **server load test**: chapter 10's, requests sent over HTTP at a fixed rate, or all at once
+#   ("inf"); the tensor-parallel rows are chapter 09's runs on two H200s.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -706,6 +717,11 @@ def deployment_rows() -> list[dict]:
     for path in sorted(DATA.glob("*.json")):
         rec = json.loads(path.read_text())
         if "nanovllm_tok_s" in rec:
+            # Records older than the `workload` field ran the tool's default: nano-vllm on a
+            # GPU, the small `cpu` workload on a CPU.
+            workload = rec.get("workload") or ("nano-vllm" if "NVIDIA" in rec["device"] else "cpu")
+            if rec.get("request_rate"):
+                workload += f", Poisson arrivals at {rec['request_rate']:g} req/s"
             knobs = []
             if "note" in rec and "before" in rec["note"]:
                 knobs.append("before fused kernels and async scheduling")
@@ -718,43 +734,52 @@ def deployment_rows() -> list[dict]:
                 knobs.append(f"tensor_parallel_size={rec['tensor_parallel_size']}")
             rows.append({"model": Path(rec["model"]).name, "device": rec["device"],
                          "date": rec["date"][:10], "requests": rec["requests"],
-                         "config": ", ".join([rec["attention_backend"] + " attention", *knobs]),
+                         "workload": workload, "config": ", ".join([rec["attention_backend"] + " attention", *knobs]),
                          "tok_s": rec["nanovllm_tok_s"], "record": path.name})
         for shape, per_variant in rec.get("bench_tok_s", {}).items():  # chapter 08's record
             for variant, tok_s in per_variant.items():
                 rows.append({"model": shape, "device": rec["device"], "date": rec["date"][:10],
                              "requests": rec["bench_requests"][shape],
-                             "config": f"weights/KV {variant}", "tok_s": tok_s,
+                             "workload": "nano-vllm", "config": f"weights/KV {variant}", "tok_s": tok_s,
                              "record": path.name})
         tp_runs = [e for e in rec.get("engines", []) if isinstance(e, dict) and "tp" in e]
         for run in tp_runs:  # chapter 09's tensor-parallel runs
             rows.append({"model": run["model"], "device": rec["device"],
                          "date": rec["runs"][-1]["date"][:10], "requests": run["requests"],
-                         "config": f"triton attention, tensor_parallel_size={run['tp']}",
+                         "workload": "nano-vllm", "config": f"triton attention, tensor_parallel_size={run['tp']}",
                          "tok_s": run["output_tok_s"], "record": path.name})
         for run in rec.get("runs", []) if "server_command" in rec else []:  # chapter 10's
             cfg = rec["config"]
             rows.append({"model": Path(rec["server_command"].split()[3]).name,
                          "device": rec["device"], "date": rec["date"][:10],
                          "requests": cfg["num_requests"],
-                         "config": f"OpenAI server, streamed over HTTP, {run['rate']} req/s, "
-                                   f"{cfg['input_len']} in / {cfg['output_len']} out tokens, "
+                         "workload": f"server load test, {run['rate']} req/s, "
+                                     f"{cfg['input_len']} in / {cfg['output_len']} out tokens",
+                         "config": f"OpenAI server, streamed over HTTP, "
                                    f"TTFT p50 {run['ttft']['p50']:.2f} s",
                          "tok_s": run["output_throughput_tps"], "record": path.name})
     return rows
 
 
-table = ["| model | device | date | requests | configuration | output tok/s | record |",
-         "|---|---|---|---:|---|---:|---|"]
-table += [f"| {r['model']} | {r['device']} | {r['date']} | {r['requests']} | {r['config']} | "
-          f"{r['tok_s']:,.0f} | `{r['record']}` |" for r in deployment_rows()]
+from nanovllm.viz.records import HEADLINES
+
+table = ["| model | device | date | workload | requests | configuration | output tok/s | record |",
+         "|---|---|---|---|---:|---|---:|---|"]
+table += [f"| {r['model']} | {r['device']} | {r['date']} | {r['workload']} | {r['requests']} | "
+          f"{r['config']} | {r['tok_s']:,.0f} | `{r['record']}`"
+          f"{' (current)' if r['record'] == HEADLINES['h200_qwen3_0.6b_tok_s'].record else ''} |"
+          for r in deployment_rows()]
 display(Markdown("\n".join(table)))
 
 # %% [markdown]
-# Read it as the engine's measured range, not as a promise: the same H200 configuration gave
-# several percent apart on different runs (chapter 11), the CPU row is SmolLM2 on two shared
-# cores with 32 requests, the quantized rows come from chapter 08's own runs, and the server
-# rows are bounded by the request rate until the engine saturates.
+# Read it as the engine's measured range, not as a promise. Rows of the same workload and
+# configuration differ for two reasons the records show: identical runs differ by several
+# percent (chapter 11), and the records were made by different versions of the engine (the
+# date column; the row marked current is the one every chapter quotes for today's engine,
+# `nanovllm/viz/records.py`). The baseline row is the engine before fused kernels and async
+# scheduling; the quantized rows come from chapter 08's own runs, the tensor-parallel rows
+# from chapter 09's (each with its own KV-cache size); the server rows are bounded by the
+# request rate until the engine saturates.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
