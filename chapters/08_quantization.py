@@ -180,10 +180,9 @@ for s in SHAPES:
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from nanovllm.viz.records import headline
+from nanovllm.viz.records import current, headline
 
 H200_BF16_FLOPS = headline("h200_bf16_matmul_flops")  # bf16 8192^3 matmul
-bench_record = json.loads((DATA / "bench_h200.json").read_text())
 bandwidth = headline("h200_copy_bytes_per_s")
 cfg8 = sizes["qwen3-8b", None][0]
 head = cfg8.vocab_size * cfg8.hidden_size  # LM head weights, bf16 in every variant
@@ -1117,6 +1116,12 @@ if quant_record is None:
     print("The H200 speed and memory record (figures/data/quant_h200.json) is not there yet.")
 else:
     print_quant_record(quant_record)
+    # The bf16 rows above are this tool's own runs (every variant, one after another, with the
+    # settings the record names); the book's current figures for bf16 Qwen3-0.6B are others:
+    print(f"\nthe book's current bf16 Qwen3-0.6B figures (nanovllm/viz/records.py): "
+          f"{current('h200_qwen3_0.6b_tok_s')} on the nano-vllm workload, "
+          f"{current('h200_qwen3_0.6b_graph_decode_step_batch1')} per decode step at batch 1; "
+          "compare the variants above with each other, not with these")
 if eval_record is None:
     print("The H200 accuracy record (figures/data/quant_eval_h200.json) is not there yet.")
 else:

@@ -83,6 +83,7 @@ from nanovllm.layers.linear import (
 )
 from nanovllm.models import ModelConfig, get_model_class
 from nanovllm.viz import BOOK_COLORS, figures_dir, save_figure, show_source, use_book_style
+from nanovllm.viz.records import current
 
 torch.set_num_threads(1)
 use_book_style()
@@ -642,6 +643,8 @@ step_ms = {(m, n, d["batch"]): d["graphs_ms"] for (m, n), e in engines.items() f
 print("decode step with CUDA graphs, ms   batch 1   batch 64")
 for m, n in engines:
     print(f"  {m:11s} TP={n}              {step_ms[m, n, 1]:7.2f}   {step_ms[m, n, 64]:8.2f}")
+print(f"(this record's TP=1 rows are its own baseline, measured like its TP=2 rows; the book's "
+      f"current batch-1 step, chapter 07: {current('h200_qwen3_0.6b_graph_decode_step_batch1')})")
 
 # %% [markdown]
 # TP=2 does **not** make a single decode step faster here: for the 0.6B shape it is nearly
@@ -735,6 +738,8 @@ for (m, n), e in engines.items():
 for m in model_cfgs:
     gain = engines[m, 2]["output_tok_s"] / engines[m, 1]["output_tok_s"]
     print(f"{m}: TP=2 / TP=1 = {gain:.2f}x throughput, on twice the GPUs")
+print(f"(TP=1 here has 40 GiB of KV cache and ran in a process that had run other engines; the "
+      f"book's current single-GPU figure, chapter 11: {current('h200_qwen3_0.6b_tok_s')})")
 
 # %%
 fig, ax = plt.subplots(figsize=(7, 3.8))
