@@ -359,12 +359,13 @@ print("layer 0 k_cache is a view into it:",
 #   + 4Hd\,N_{\text{layers}}\,n + 2DV .$$
 #
 # Without a cache each step recomputes the whole prefix: the step cost grows linearly in $n$,
-# so generating $N$ tokens costs $\sum_n C_{\text{none}}(n) = O(N^2)$ projections (plus an
-# $O(N^3)$ attention term). With the cache each step computes one token's projections, $O(N)$
-# in total; what still grows is attention over the cached keys, $4Hd\,N_{\text{layers}}$ per token
-# of context. For SmolLM2 that stays below $N_{\text{layers}} F_{\text{proj}}$ up to a few thousand
-# tokens (the exact crossover is printed below), and it is mostly *memory traffic*: every decode
-# step reads the whole cache of its sequence (chapter 05).
+# so generating $n_{\text{out}}$ tokens costs $\sum_n C_{\text{none}}(n) = O(n_{\text{out}}^2)$
+# projections (plus an $O(n_{\text{out}}^3)$ attention term). With the cache each step computes one
+# token's projections, $O(n_{\text{out}})$ in total; what still grows is attention over the cached
+# keys, $4Hd\,N_{\text{layers}}$ per token of context. For SmolLM2 that stays below
+# $N_{\text{layers}} F_{\text{proj}}$ up to a few thousand tokens (the exact crossover is printed
+# below), and it is mostly *memory traffic*: every decode step reads the whole cache of its
+# sequence (chapter 05).
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -1032,9 +1033,10 @@ print("Exercise 4 passed: paged_waste matches frozen values and a block-by-block
 #   never change afterwards. We checked it on SmolLM2: appending a token leaves every earlier
 #   key and value of all 30 layers unchanged. The **KV cache** stores them once.
 # - Without a cache, producing the next token after $n$ costs $n$ tokens' worth of projections
-#   ($O(N^2)$ for $N$ tokens); with it, one token's worth ($O(N)$), plus attention over the
-#   cache. Measured on SmolLM2, time per token grows with length without a cache and stays flat
-#   with one; both produce the same greedy tokens, and so does the engine's paged cache.
+#   ($O(n_{\text{out}}^2)$ for $n_{\text{out}}$ tokens); with it, one token's worth
+#   ($O(n_{\text{out}})$), plus attention over the cache. Measured on SmolLM2, time per token grows
+#   with length without a cache and stays flat with one; both produce the same greedy tokens, and
+#   so does the engine's paged cache.
 # - The price is memory: $2 N_{\text{layers}} H_{kv} d$ elements per token
 #   (`ModelConfig.kv_bytes_per_token`), e.g. 128 KiB per token for a Llama-3-8B shape in bf16. For
 #   small models the cache, not the weights, fills the GPU. The model runner turns its byte budget

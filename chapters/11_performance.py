@@ -229,9 +229,9 @@ print("and the recorded fraction of the bound:",
 # ## 3. The roofline of the workload
 #
 # A **roofline** plots performance (FLOP/s) against arithmetic intensity (FLOPs per byte
-# moved). A computation of intensity $I$ can run at most at $\min(P, I\cdot B)$, with $P$ the
-# peak arithmetic rate and $B$ the memory bandwidth: a slanted memory roof, then a flat compute
-# roof, meeting at the *ridge* $P/B$. For the H200 we use the rate of a large bf16 matrix
+# moved). A computation of intensity $I$ can run at most at $\min(\pi, I\beta)$, with $\pi$
+# the peak arithmetic rate and $\beta$ the memory bandwidth: a slanted memory roof, then a
+# flat compute roof, meeting at the *ridge* $\pi/\beta$. For the H200 we use the rate of a large bf16 matrix
 # multiply (the practical compute roof, the book's one record of it, printed with the figure)
 # and the copy bandwidth of the run.
 #
