@@ -231,9 +231,9 @@ print("and the recorded fraction of the bound:",
 # A **roofline** plots performance (FLOP/s) against arithmetic intensity (FLOPs per byte
 # moved). A computation of intensity $I$ can run at most at $\min(\pi, I\beta)$, with $\pi$
 # the peak arithmetic rate and $\beta$ the memory bandwidth: a slanted memory roof, then a
-# flat compute roof, meeting at the *ridge* $\pi/\beta$. For the H200 we use the rate of a large bf16 matrix
-# multiply (the practical compute roof, the book's one record of it, printed with the figure)
-# and the copy bandwidth of the run.
+# flat compute roof, meeting at the *ridge* $\pi/\beta$. For the H200 we use the rate of a
+# large bf16 matrix multiply (the practical compute roof, the book's one record of it, printed
+# with the figure) and the copy bandwidth of the run.
 #
 # We place on it the parts of the workload, with their FLOPs counted as 2 per parameter per
 # token for the matrix multiplies and $4\,H d$ per (query, key) pair per layer for attention:
