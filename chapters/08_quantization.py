@@ -34,8 +34,8 @@
 # two fp8 formats, e4m3 and e5m2, drawn value by value; fp8 W8A8 with a scale per token; fp8
 # checkpoints; and the fp8 KV cache, which doubles the tokens a cache holds. Finally the
 # accuracy of every variant on SmolLM2, measured live, the H200 speed and memory record, and a
-# check, part by part, of the claim this book's seed material makes: "INT8: memory −50%, speed
-# +20%, accuracy loss < 1%".
+# check, part by part, of a claim often repeated about int8 (one of those chapter 13 §9
+# collects): "INT8: memory −50%, speed +20%, accuracy loss < 1%".
 #
 # Package modules taught here: `nanovllm/layers/quantization/` (`scales.py`: symmetric
 # per-row scales; `int8.py`: W8A16; `fp8.py`: W8A8; `fp8_checkpoint.py`: pre-quantized
@@ -1261,8 +1261,7 @@ else:
 # %% [markdown]
 # ## 10. "INT8: memory −50%, speed +20%, accuracy loss < 1%" — checked
 #
-# The seed material of this book makes that claim, without saying for which model, hardware
-# or measure. We check each part against what this chapter measured, and say where.
+# The claim is usually made without saying for which model, hardware or measure. We check each part against what this chapter measured, and say where.
 #
 # **Memory −50%.** Exact, from section 1 (counting bytes, so the same on every device):
 
@@ -1592,7 +1591,7 @@ print("Exercise 3 passed: int8_w8a8 is per-token x per-channel int8 with an inte
 #   CPU's greedy runs (the H200's bf16 record on longer texts agrees less, section 10); fp8 W8A8
 #   costs about 12 dB per layer, 1.6% of perplexity and one top-1 token in ten; the fp8 KV cache
 #   under 1% of perplexity.
-# - **The seed's claim**: "memory −50%" holds for the linear layers, not for whole models
+# - **The claim**: "memory −50%" holds for the linear layers, not for whole models
 #   (−37% to −42% here); "accuracy loss < 1%" holds for int8 on our measures, not for fp8;
 #   "speed +20%" depends on the batch and the model, up to the byte ratio at small batches and
 #   nothing past the ridge; the H200 record (section 9) measures where our kernels land.

@@ -691,8 +691,8 @@ else:
 #
 # ## 8. Deployments this project has measured
 #
-# The seed material ended with a table of deployment advice with numbers from elsewhere. Here
-# is the table rewritten with configurations this engine runs and throughput it measured,
+# Deployment guides end with a table of advice, its numbers measured elsewhere. Here is such a
+# table rewritten with configurations this engine runs and throughput it measured,
 # read from the records in `figures/data/` (each row names its record, device, date and
 # workload). Throughput is only comparable between rows of one workload
 # (`nanovllm/benchmarks/workload.py` defines them; all use random weights):
