@@ -6,8 +6,9 @@ executed notebooks ``chapters/NN_*.ipynb`` with their committed outputs (the boo
 them; the staged copies lose the ``# NBVAL_*`` lines that steer the notebook tests, which a
 reader has no use for), and writes into the landing page the two parts that must not be typed by
 hand: the chapter map (titles read from the notebooks) and the runtime table (read from the
-notebooks' execution metadata: nbclient records when each cell started and finished). GPU runtimes come from executed
-copies under ``figures/data/gpu_runs/NN_name.<device>.ipynb`` where a GPU run was recorded.
+notebooks' execution metadata: nbclient records when each cell started and finished). GPU
+runtimes come from executed copies under ``figures/data/gpu_runs/NN_name.<device>.ipynb`` where
+a GPU run was recorded.
 
     python -m nanovllm.viz.book --stage build/book_src --build build/book [--root .]
 
