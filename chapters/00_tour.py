@@ -284,7 +284,7 @@ display(Markdown(chapter_table(modules, Path("."), links=False)))  # the kernel 
 # %% [markdown]
 # The same walk, module by module: each with its length in lines, the chapters its docstring
 # names and the first sentence of that docstring. (The counts change whenever the package does,
-# so nbval does not compare them.)
+# so the notebook tests do not compare them.)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -437,7 +437,7 @@ print(f"x block_size {llm.config.block_size} = {per_token * llm.config.block_siz
 # Finally, every knob of the engine lives in one validated dataclass, `EngineConfig`; `LLM(path,
 # **options)` accepts exactly its field names and rejects anything else with a helpful error. Here
 # are the fields and their values in our engine (the model folder is shortened to its name; the
-# list grows as the book adds components, so nbval does not compare it):
+# list grows as the book adds components, so the notebook tests do not compare it):
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -527,8 +527,8 @@ print("steps per run:", [r["steps"] for r in results])
 
 # %% [markdown]
 # Every run took 32 steps, one per output token, whatever the number of requests: the requests
-# really ran side by side. The measured throughputs (machine-dependent, so nbval does not check
-# them), with the median step beside the fastest to show how busy the machine was:
+# really ran side by side. The measured throughputs (machine-dependent, so the notebook tests do
+# not check them), with the median step beside the fastest to show how busy the machine was:
 
 # %%
 # NBVAL_IGNORE_OUTPUT

@@ -443,8 +443,8 @@ plt.show()
 # scale that up: C = 8, 16 and 32 requests arrive at once, eight slots (`max_num_seqs=8`), 8-token
 # prompts, and output lengths drawn from 1 to 32 tokens, as answers differ in length. Static
 # batching runs groups of eight to completion, one after another; continuous batching gets all C
-# at once. The step counts depend only on the lengths, so nbval checks them; the simulators of
-# §1 predict them.
+# at once. The step counts depend only on the lengths, so the notebook tests check them; the
+# simulators of §1 predict them.
 
 # %%
 # NBVAL_CHECK_OUTPUT
