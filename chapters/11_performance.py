@@ -1162,7 +1162,9 @@ for blocks in (need_blocks + 100, need_blocks // 2):
 # (they cycle many times within the training length) are kept as they are; pairs whose
 # wavelength is longer than $L_{\text{train}}$ are divided by $s$; in between, it blends the two smoothly. A
 # model's `config.json` carries the rule in `rope_scaling` (or `rope_parameters`), and
-# `nanovllm/layers/rotary.py` applies it:
+# `nanovllm/layers/rotary.py` applies it. (Chapter 12 teaches RoPE scaling in full: four
+# scalings built small and their perplexity past the trained length. This section looks only
+# at the llama3 rule and at what long sequences cost the engine.)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
