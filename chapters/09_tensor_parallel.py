@@ -83,7 +83,7 @@ from nanovllm.layers.linear import (
 )
 from nanovllm.models import ModelConfig, get_model_class
 from nanovllm.viz import BOOK_COLORS, figures_dir, save_figure, show_source, use_book_style
-from nanovllm.viz.records import current
+from nanovllm.viz.records import current, headline
 
 torch.set_num_threads(1)
 use_book_style()
@@ -169,13 +169,13 @@ for (s, n), (cfg, nbytes) in per_rank.items():
 # about twice the room *and* each token costs it half as much, so the cache holds about
 # three times the tokens of $N=1$. The table makes the second argument too: every number per
 # GPU falls as $1/N$, including the bytes a decode step must read. With the H200 copy
-# bandwidth recorded by chapter 11's benchmark, the weights alone bound a decode step below by:
+# bandwidth (the book's one record of it, `nanovllm/viz/records.py`), the weights alone bound a
+# decode step below by:
 
 # %%
 # NBVAL_CHECK_OUTPUT
-bench = json.loads((DATA / "bench_h200.json").read_text())
-bandwidth = bench["copy_bandwidth_gb_s"] * 1e9
-print(f"H200 copy bandwidth (recorded {bench['date']}): {bandwidth / 1e12:.2f} TB/s")
+bandwidth = headline("h200_copy_bytes_per_s")
+print(f"H200 copy bandwidth: {current('h200_copy_bytes_per_s')}")
 for s in SHAPES:
     bounds = ", ".join(f"N={n}: {per_rank[s, n][1] / bandwidth * 1e3:5.2f} ms"
                        for n in (1, 2, 4, 8))

@@ -62,15 +62,11 @@ from nanovllm.benchmarks.workload import bandwidth_bound_seconds, bound_bytes, m
 from nanovllm.configs import config_path
 from nanovllm.models import ModelConfig, get_model_class
 from nanovllm.viz import BOOK_COLORS, figures_dir, save_figure, show_source, use_book_style
+from nanovllm.viz.records import HEADLINES, load_record  # what GPUs recorded, figures/data/
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 use_book_style()
 DATA = figures_dir() / "data"
-
-
-def load_record(name: str) -> dict:
-    """A result recorded on a GPU, from figures/data/."""
-    return json.loads((DATA / name).read_text())
 
 
 def smollm2_model() -> tuple[Path, str]:
@@ -110,7 +106,7 @@ print(f"output tokens: {work.output_tokens:,} (from {min(work.output_lens)} to "
 # our engine ran the same 32 again, so that the ratio compares equal work. Here is the record:
 
 # %%
-bench = load_record("bench_h200.json")
+bench = load_record(HEADLINES["h200_qwen3_0.6b_tok_s"].record)  # the book's current figure
 print(f"{bench['device']}, {bench['date']}, torch {bench['torch']}")
 print(f"command: {bench['command']}")
 print(f"nanovllm, all {bench['requests']} requests: {bench['output_tokens']:,} tokens in "
@@ -1224,10 +1220,12 @@ plt.show()
 # `kv_bytes_per_token` bytes of cache; a decode step of a sequence must read all of them:
 
 # %%
+copy_bandwidth_h200 = headline("h200_copy_bytes_per_s")  # the book's one record of it
 for ctx in (8_192, 32_768, 131_072):
     kv = ctx * qwen3.kv_bytes_per_token(2)
     print(f"context {ctx:7,}: {kv / 1e9:6.2f} GB of KV cache per sequence; reading it takes "
-          f"{kv / bandwidth * 1e3:5.2f} ms per decode step at {bandwidth / 1e12:.2f} TB/s")
+          f"{kv / copy_bandwidth_h200 * 1e3:5.2f} ms per decode step at "
+          f"{copy_bandwidth_h200 / 1e12:.2f} TB/s")
 
 # %% [markdown]
 # At 131k tokens one sequence's cache is 15 GB and a single decode step of that sequence needs
