@@ -374,7 +374,7 @@ for name, wall, records in [("static", static_wall, static_rec),
     print(f"{name:>10}: {wall:5.2f} s, {total_tokens / wall:5.1f} output tokens/s; "
           f"{len(with_prompt)} steps with a prompt, {1e3 * np.mean(with_prompt):6.2f} ms each; "
           f"{len(decode_only)} decode-only, {1e3 * np.mean(decode_only):6.2f} ms each")
-print(f"continuous batching finished the workload {static_wall / cont_wall:.2f}x faster")
+print(f"continuous batching: {static_wall / cont_wall:.2f}x the throughput of static batching")
 
 # %% [markdown]
 # Fewer steps need not mean less time, because the two kinds of step cost differently, and the
