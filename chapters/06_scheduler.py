@@ -386,9 +386,11 @@ print(f"continuous batching: {static_wall / cont_wall:.2f}x the throughput of st
 # chapter's run on an H200 (`figures/data/gpu_runs/06_scheduler.h200.ipynb`, the cell above,
 # recorded before the split by kind was added) shows what that does to this tiny workload:
 # continuous batching took fewer steps and *more* time, about half the throughput of static
-# batching. Its extra steps with a prompt are the ones the refills create, each run eagerly,
-# and with eight short requests of a 135M model nothing hides their launch costs; the split
-# printed above, run on a GPU, shows how many there are and what each kind costs. A production
+# batching. The schedules say why: continuous batching computes a prompt in 5 of its 18 steps
+# (the first, and one per refill: the spans of §1 start at steps 0, 3, 5, 7 and 10), static
+# batching in 2 of its 26 (0 and 14). Those steps run eagerly, and with eight short requests of
+# a 135M model nothing hides their launch costs; the split printed above, run on a GPU, shows
+# what each kind of step costs there. A production
 # engine also captures graphs for steps that mix prompts and decodes (vLLM's piecewise
 # graphs); this engine does not (chapter 07).
 
