@@ -540,8 +540,9 @@ plt.show()
 # machine. On a GPU the wall-time "gain" of continuous batching here is below 1 (the H200 run
 # of this chapter, `figures/data/gpu_runs/06_scheduler.h200.ipynb`): each refill puts a prompt
 # into a step, and such a step runs eagerly while a decode-only step replays a CUDA graph, as
-# section 2 showed. What the step counts measure, the scheduling, does not depend on that. Larger published gains (Anyscale's 2023 blog post reported up to 23× for vLLM against
-# static batching in Hugging Face's pipelines) come from wider length spreads and from other
+# section 2 showed. What the step counts measure, the scheduling, does not depend on that.
+# Larger published gains (Anyscale's 2023 blog post reported up to 23× for vLLM against static
+# batching in Hugging Face's pipelines) come from wider length spreads and from other
 # differences between the engines compared. Quote such claims with their workload, or better:
 # measure them, as here.
 
