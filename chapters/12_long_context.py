@@ -115,13 +115,13 @@ print(f"the slowest pair turns {L_train / wavelength[-1].item():.3f} times withi
 #
 # - **linear** (position interpolation): $\omega_i / s$ for every pair. Simple, but nearby
 #   positions become $s$ times harder to tell apart.
-# - **llama3**: fast pairs (wavelength $< L_{\text{train}}/4$) kept, slow ones (wavelength $>
-#   L_{\text{train}}$) divided by $s$, a smooth blend in between (chapter 11 §6).
-# - **dynamic NTK** ("NTK-aware"): keep the formula, raise the *base*. For a sequence of
-#   $n > L_{\text{train}}$ tokens, $\theta' = \theta\,\big(s\,n/L_{\text{train}} -
-#   (s-1)\big)^{d/(d-2)}$: the slowest pair is slowed by exactly $s\,n/L_{\text{train}} - (s-1)$
-#   while the fastest does not move. It depends on $n$, which is where section 3's trouble comes
-#   from.
+# - **llama3**: fast pairs (wavelength $< L_{\text{train}}/4$) kept, slow ones
+#   (wavelength $> L_{\text{train}}$) divided by $s$, a smooth blend in between (chapter 11 §6).
+# - **dynamic NTK** ("NTK-aware"): keep the formula, raise the base $\theta$. For a sequence
+#   of $n > L_{\text{train}}$ tokens,
+#   $\theta' = \theta\,\big(s\,n/L_{\text{train}} - (s-1)\big)^{d/(d-2)}$: the slowest pair
+#   is slowed by exactly $s\,n/L_{\text{train}} - (s-1)$ while the fastest does not move. It
+#   depends on $n$, which is where section 3's trouble comes from.
 # - **YaRN** ("NTK-by-parts" plus a temperature): a pair that turns more than
 #   $\beta_\text{fast} = 32$ times within $L_{\text{train}}$ keeps $\omega_i$; one that turns fewer
 #   than $\beta_\text{slow} = 1$ times gets $\omega_i/s$; a linear ramp over the pair index in
