@@ -228,7 +228,7 @@ print("seed 1 gives different tokens:     ", samples[2].token_ids != samples[0].
 # %% [markdown]
 # ## 6. The smallest engine is a for-loop
 #
-# To see what the engine adds, write the loop from 0.1 ourselves, on the very model object the
+# To see what the engine adds, write the loop from §1 ourselves, on the very model object the
 # engine runs. The model takes a flat tensor of token ids and their positions and returns one
 # hidden vector per token; `compute_logits` turns the last one into scores over the vocabulary.
 # Called outside the engine, the model's attention layers simply attend over the tokens they are
@@ -258,7 +258,7 @@ for out in outputs[:2]:
 # %% [markdown]
 # Token for token the same. Everything the rest of the book adds to this loop changes *how fast*
 # and *how many*, never *what*: each chapter checks that again for its component. Our loop has the
-# three flaws of 0.1: it recomputes the whole sequence at every step (the KV cache fixes that,
+# three flaws of §1: it recomputes the whole sequence at every step (the KV cache fixes that,
 # chapter 03), it serves one request at a time (continuous batching, chapter 06), and it has no
 # notion of memory at all (the block manager, chapter 04).
 
@@ -303,7 +303,7 @@ display(Markdown(chapter_table(modules, Path("."), links=False)))  # the kernel 
 # %% [markdown]
 # The same walk, module by module: each with its length in lines, the chapters its docstring
 # names and the first sentence of that docstring. (The counts change whenever the package does,
-# so nbval does not compare them.)
+# so the notebook tests do not compare them.)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -411,7 +411,7 @@ print(f"preemptions so far: {engine.scheduler.num_preemptions}")
 
 # %% [markdown]
 # The hits are the system message's full block, found by every chat but the first: by the
-# question above, and already by two of the three questions of 0.4, although those were admitted
+# question above, and already by two of the three questions of §4, although those were admitted
 # in the same step as the first one (a block is registered for sharing as soon as its
 # computation is scheduled, chapter 04). Our completions and stories had nothing in common, so
 # the rate stays low; a chat service whose requests share long system prompts sees much more. No
@@ -456,7 +456,7 @@ print(f"x block_size {llm.config.block_size} = {per_token * llm.config.block_siz
 # Finally, every knob of the engine lives in one validated dataclass, `EngineConfig`; `LLM(path,
 # **options)` accepts exactly its field names and rejects anything else with a helpful error. Here
 # are the fields and their values in our engine (the model folder is shortened to its name; the
-# list grows as the book adds components, so nbval does not compare it):
+# list grows as the book adds components, so the notebook tests do not compare it):
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -546,8 +546,8 @@ print("steps per run:", [r["steps"] for r in results])
 
 # %% [markdown]
 # Every run took 32 steps, one per output token, whatever the number of requests: the requests
-# really ran side by side. The measured throughputs (machine-dependent, so nbval does not check
-# them), with the median step beside the fastest to show how busy the machine was:
+# really ran side by side. The measured throughputs (machine-dependent, so the notebook tests do
+# not check them), with the median step beside the fastest to show how busy the machine was:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -650,7 +650,7 @@ print("Exercise 1 passed: count_new_tokens counts every completion of 50 random 
 # %% [markdown]
 # **Exercise 2 — the chat template by hand.** Write `chatml_prompt(messages)` that turns a
 # conversation into the exact string SmolLM2's chat template produces with
-# `add_generation_prompt=True` (look at the prompt printed in 0.4): each message as
+# `add_generation_prompt=True` (look at the prompt printed in §4): each message as
 # `<|im_start|>{role}\n{content}<|im_end|>\n`, the default system message
 # `You are a helpful AI assistant named SmolLM, trained by Hugging Face` first when the
 # conversation does not start with a system message, and `<|im_start|>assistant\n` at the end. The
@@ -712,7 +712,7 @@ print(f"Exercise 2 passed: chatml_prompt matches the chat template on {len(froze
 # built and raises `ValueError` for a bad one, so a bad request never reaches the engine. Write
 # `invalid_settings(settings)` that, *without* constructing `SamplingParams`, returns the indices
 # of the settings (dicts of `temperature`, `top_k`, `top_p`, `min_p`, `max_tokens`) that it would
-# reject. The rules are in the class docstring and in 0.4–0.5: temperature is not negative (0 is
+# reject. The rules are in the class docstring and in §4–5: temperature is not negative (0 is
 # greedy), `top_k` is -1 (off) or at least 1, `top_p` lies in (0, 1], `min_p` in [0, 1], and
 # `max_tokens` is at least 1. The check marks each value it tries as valid or not, following these
 # rules, and builds seeded random settings from them.

@@ -115,8 +115,8 @@ def rand(*shape: int, seed: int, dtype=torch.float32) -> torch.Tensor:
 # ## 1. Why attention is the part that grows
 #
 # Take one token going through one decoder layer. The projections (q, k, v, o) and the MLP
-# multiply it by fixed weight matrices: about $2P$ floating-point operations (FLOPs) for a
-# layer with $P$ weights, **whatever the position of the token**. Attention is different.
+# multiply it by fixed weight matrices: about two floating-point operations (FLOPs) per
+# weight of the layer, **whatever the position of the token**. Attention is different.
 # The token's query is compared with the key of every earlier token, and the values of all
 # of them are mixed. For a token at position $t$ with $H$ query heads of $d$ channels that is
 # $t+1$ dot products of length $d$ and $t+1$ weighted sums of $d$-vectors per head: about
@@ -319,13 +319,13 @@ check("stable softmax vs float64 softmax", stable_softmax(s), torch.softmax(s.do
 # to need the whole row of scores at once: the whole $L_q\times L_k$ matrix $S$ for the whole
 # sequence, $L^2$ scores per head for a prompt of $L$ tokens. FlashAttention
 # (Dao et al., 2022) avoids it with an *online* softmax (Milakov and Gimelshein, 2018): visit
-# the keys in tiles of $B$ and keep, per query row, three running quantities:
+# the keys in tiles of $B_N$ keys and keep, per query row, three running quantities:
 #
 # - $m$, the largest score seen so far;
 # - $\ell$, the sum of $e^{s - m}$ over the keys seen so far;
 # - $\mathbf a$, the sum of $e^{s-m}\,\mathbf v$ over the keys seen so far (a $d$-vector).
 #
-# When a tile with scores $s_1..s_B$ arrives, the new maximum is
+# When a tile with scores $s_1..s_{B_N}$ arrives, the new maximum is
 # $m' = \max(m, \max_j s_j)$. Everything accumulated so far was exponentiated relative to the
 # old $m$; multiplying it by $\alpha = e^{m - m'}$ re-expresses it relative to $m'$
 # (because $e^{s-m}e^{m-m'} = e^{s-m'}$). So
@@ -977,8 +977,9 @@ else:
 #
 # The attention layer (`nanovllm/layers/attention.py`) stores the step's new keys and values
 # into the paged cache, then hands the query and the cache to its **backend** (one class per
-# backend in `nanovllm/layers/attention_backends.py`). The `triton` backend sends the decode rows to the decode kernel of chapter 05 and everything else to the
-# prefill kernel above, shifting the query offsets past the decodes:
+# backend in `nanovllm/layers/attention_backends.py`). The `triton` backend sends the decode rows
+# to the decode kernel of chapter 05 and everything else to the prefill kernel above, shifting the
+# query offsets past the decodes:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -1159,16 +1160,17 @@ for label, result in recorded.items():
 # with 16-token blocks, against 165 for `varlen_attn`: 1.42× faster, despite the indirection
 # through the block table. Read that ratio in its context: one workload (prefills only, no
 # cached prefix), bf16, torch 2.11's `varlen_attn`, one session on one GPU. It says nothing
-# about decode steps, and nothing about FlashAttention's newest kernels, which come next. With SmolLM2's smaller heads (head_dim 64) the gap is wider (2.12×),
-# mostly because `varlen_attn` drops to 107 TFLOP/s there. Small blocks cost a little (more
-# block-id lookups, less contiguous loads), about 9% at head_dim 128. The sweep shows how the
-# tiles were chosen: 64 query rows × 32 keys with 4 warps is the best of those tried; 8 warps
-# or 128-row tiles are slower (the kernel's docstring explains the choice by register
-# pressure: the fp32 score tile, the accumulator and the K/V pointers must stay in
-# registers). For scale, the last column printed above compares the kernel with a large bf16
-# matmul on the same machine: prefill attention runs at a fraction of the dense-matmul rate. Attention has more to do per FLOP than
-# a matmul: the softmax's exponentials, the masked diagonal tiles and, with prompts of at most
-# 1,024 tokens, many short sequences whose programs have little work each.
+# about decode steps, and nothing about FlashAttention's newest kernels, which come next. With
+# SmolLM2's smaller heads (head_dim 64) the gap is wider (2.12×), mostly because `varlen_attn`
+# drops to 107 TFLOP/s there. Small blocks cost a little (more block-id lookups, less contiguous
+# loads), about 9% at head_dim 128. The sweep shows how the tiles were chosen: 64 query rows × 32
+# keys with 4 warps is the best of those tried; 8 warps or 128-row tiles are slower (the kernel's
+# docstring explains the choice by register pressure: the fp32 score tile, the accumulator and the
+# K/V pointers must stay in registers). For scale, the last column printed above compares the
+# kernel with a large bf16 matmul on the same machine: prefill attention runs at a fraction of the
+# dense-matmul rate. Attention has more to do per FLOP than a matmul: the softmax's exponentials,
+# the masked diagonal tiles and, with prompts of at most 1,024 tokens, many short sequences whose
+# programs have little work each.
 
 # %% [markdown]
 # ### 7.1 Against FlashAttention-4
@@ -1210,8 +1212,8 @@ print(f"FlashAttention-4 is {min(r['ratio'] for r in fa_prefill):.1f}-"
 # In the course edition of this book (`make student`; see the README's *Start here*) you write
 # these parts of the package yourself: the PyTorch attention with its shifted causal mask, and the
 # loop that runs a packed batch of decodes and prefill chunks. Each function's docstring is the
-# handout; the project's tests grade your code (`make check CHAPTERS=02` in your edition), and once they
-# pass this notebook runs on your own engine.
+# handout; the project's tests grade your code (`make check CHAPTERS=02` in your edition), and once
+# they pass this notebook runs on your own engine.
 
 # %%
 # NBVAL_CHECK_OUTPUT

@@ -108,16 +108,16 @@ print(f"engine on {llm.config.device} ({llm.config.dtype}), "
 # %% [markdown]
 # ## 1. Prefill and decode
 #
-# Generating a reply to a prompt of $P$ tokens happens in two phases.
+# Generating a reply to a prompt of $n$ tokens happens in two phases.
 #
-# - **Prefill.** The model reads the whole prompt in one forward pass: $P$ tokens in, through
-#   every layer. Attention is causal (token $t$ attends to tokens $0 \dots t$), all $P$ queries
+# - **Prefill.** The model reads the whole prompt in one forward pass: $n$ tokens in, through
+#   every layer. Attention is causal (token $t$ attends to tokens $0 \dots t$), all $n$ queries
 #   at once. Only the *last* position's hidden state goes through the LM head, because only it
 #   predicts a token we do not have yet: the first generated token.
 # - **Decode.** Then, once per generated token: one token in (the one just sampled), one token
 #   out. Its query attends to the keys and values of *every* earlier token plus its own.
 #
-# Prefill is a few large matrix products (`[P, hidden] @ [hidden, ...]`): lots of arithmetic per
+# Prefill is a few large matrix products (`[n, hidden] @ [hidden, ...]`): lots of arithmetic per
 # weight read, so for prompts of a few hundred tokens or more it is limited by compute. A decode
 # step multiplies a single row by every
 # weight matrix: it reads all the weights to do two FLOPs per weight, so it is limited by
@@ -346,36 +346,40 @@ print("layer 0 k_cache is a view into it:",
 # Count the multiply–adds of one forward pass (2 FLOPs each). Per token and layer, the weight
 # matrices cost
 #
-# $$F_{\text{proj}} = 2\,\bigl[\,D\,(H + 2H_{kv})\,d \;+\; H d\,D \;+\; 3\,D\,I\,\bigr]$$
+# $$F_{\text{proj}} = 2\,\bigl[\,D\,(H + 2H_{kv})\,d \;+\; H d\,D
+#   \;+\; 3\,D\,D_{\text{ff}}\,\bigr]$$
 #
 # (packed q/k/v, output projection, gate/up and down of the MLP; $D$ hidden size, $H$ and
-# $H_{kv}$ query and key/value heads, $d$ head dimension, $I$ MLP width). Attention of a query at
-# position $t$ over its $t+1$ keys costs $4 H d\,(t+1)$ per layer: $2Hd(t+1)$ for the scores
-# $QK^\top$ and as much for the weighted sum of values. The LM head, $2\,D\,V$ FLOPs, runs once per
-# step, for the last position only. With $N_{\text{layers}}$ layers (the book's notation keeps $L$ for a
-# sequence length), producing the token after a sequence of $n$
-# tokens costs
+# $H_{kv}$ query and key/value heads, $d$ head dimension, $D_{\text{ff}}$ MLP width). Attention of
+# a query at position $t$ over its $t+1$ keys costs $4 H d\,(t+1)$ per layer: $2Hd(t+1)$ for the
+# scores $QK^\top$ and as much for the weighted sum of values. The LM head, $2\,D\,V$ FLOPs, runs
+# once per step, for the last position only. With $N_{\text{layers}}$ layers (the book's notation
+# keeps $L$ for a sequence length), producing the token after a sequence of $n$ tokens costs
 #
-# $$\text{without a cache:}\quad C_{\text{none}}(n) = n\,N_{\text{layers}} F_{\text{proj}} + 4Hd\,N_{\text{layers}}\sum_{t=1}^{n} t
+# $$\text{without a cache:}\quad C_{\text{none}}(n) = n\,N_{\text{layers}} F_{\text{proj}}
+#   + 4Hd\,N_{\text{layers}}\sum_{t=1}^{n} t
 #   + 2DV = n\,N_{\text{layers}} F_{\text{proj}} + 2Hd\,N_{\text{layers}}\,n(n+1) + 2DV,$$
 #
-# $$\text{with a cache:}\quad C_{\text{cache}}(n) = N_{\text{layers}} F_{\text{proj}} + 4Hd\,N_{\text{layers}}\,n + 2DV .$$
+# $$\text{with a cache:}\quad C_{\text{cache}}(n) = N_{\text{layers}} F_{\text{proj}}
+#   + 4Hd\,N_{\text{layers}}\,n + 2DV .$$
 #
 # Without a cache each step recomputes the whole prefix: the step cost grows linearly in $n$,
-# so generating $N$ tokens costs $\sum_n C_{\text{none}}(n) = O(N^2)$ projections (plus an
-# $O(N^3)$ attention term). With the cache each step computes one token's projections, $O(N)$
-# in total; what still grows is attention over the cached keys, $4Hd\,N_{\text{layers}}$ per token of context.
-# For SmolLM2 that stays below $N_{\text{layers}} F_{\text{proj}}$ up to a few thousand tokens (the exact
-# crossover is printed below), and it is mostly *memory traffic*: every decode step reads the
-# whole cache of its sequence (chapter 05).
+# so generating $n_{\text{out}}$ tokens costs $\sum_n C_{\text{none}}(n) = O(n_{\text{out}}^2)$
+# projections (plus an $O(n_{\text{out}}^3)$ attention term). With the cache each step computes one
+# token's projections, $O(n_{\text{out}})$ in total; what still grows is attention over the cached
+# keys, $4Hd\,N_{\text{layers}}$ per token of context. For SmolLM2 that stays below
+# $N_{\text{layers}} F_{\text{proj}}$ up to a few thousand tokens (the exact crossover is printed
+# below), and it is mostly *memory traffic*: every decode step reads the whole cache of its
+# sequence (chapter 05).
 
 # %%
 # NBVAL_CHECK_OUTPUT
 def flop_terms(c: ModelConfig) -> tuple[int, int, int]:
-    """(L*F_proj, 4*H*d*L, 2*h*V): projections per token, attention per key, LM head per step."""
-    h, H, Hkv, d, L = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.num_layers
-    proj = 2 * L * (h * (H + 2 * Hkv) * d + H * d * h + 3 * h * c.intermediate_size)
-    return proj, 4 * H * d * L, 2 * h * c.vocab_size
+    """(N_layers*F_proj, 4*H*d*N_layers, 2*D*V): projections per token, attention per key, LM
+    head per step."""
+    D, H, Hkv, d, layers = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.num_layers
+    proj = 2 * layers * (D * (H + 2 * Hkv) * d + H * d * D + 3 * D * c.intermediate_size)
+    return proj, 4 * H * d * layers, 2 * D * c.vocab_size
 
 
 def step_flops(c: ModelConfig, n: int, cached: bool) -> int:
@@ -577,11 +581,11 @@ def count_parameters(c: ModelConfig) -> int:
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}
 params = {name: count_parameters(c) for name, c in models.items()}
-print(f"{'':18} {'L':>3} {'Hkv':>4} {'d':>4} | KV bytes/token:{'fp32':>8} {'bf16':>8} {'fp8':>7}"
-      f" | parameters")
+print(f"{'':18} {'N_layers':>8} {'Hkv':>4} {'d':>4} | KV bytes/token:"
+      f"{'fp32':>8} {'bf16':>8} {'fp8':>7} | parameters")
 for name, c in models.items():
     per_dtype = [c.kv_bytes_per_token(b) for b in DTYPE_BYTES.values()]
-    print(f"{name:18} {c.num_layers:>3} {c.num_kv_heads:>4} {c.head_dim:>4} | {'':15}"
+    print(f"{name:18} {c.num_layers:>8} {c.num_kv_heads:>4} {c.head_dim:>4} | {'':15}"
           + "".join(f"{b:>8,}" for b in per_dtype) + f" | {params[name] / 1e9:.3f} B")
 
 # %% [markdown]
@@ -590,10 +594,10 @@ for name, c in models.items():
 # SmolLM2's 3 small KV heads keep it light. fp8 halves the bf16 figure again (chapter 08).
 #
 # How much fits in the memory of one 80 GB GPU (80 GiB) once bf16 weights are loaded? (This
-# ignores activations and the part of the GPU that `gpu_memory_utilization` leaves to others, so real
-# figures are somewhat lower.) The last two columns put the cache in perspective: the number of
-# tokens whose cache weighs as much as the model itself, and how many requests fit when each
-# is given a contiguous buffer for 4,096 tokens up front (section 4).
+# ignores activations and the part of the GPU that `gpu_memory_utilization` leaves to others, so
+# real figures are somewhat lower.) The last two columns put the cache in perspective: the number
+# of tokens whose cache weighs as much as the model itself, and how many requests fit when each is
+# given a contiguous buffer for 4,096 tokens up front (section 4).
 
 # %%
 GPU_BYTES = 80 * 2**30
@@ -811,8 +815,8 @@ for size in (1, 8, 16, 32, 64, 256, 1024):
 # In the course edition of this book (`make student`; see the README's *Start here*) you write
 # these parts of the package yourself: the store of new keys and values into their cache slots,
 # and batched decode attention over each sequence's cached tokens. Each function's docstring is
-# the handout; the project's tests grade your code (`make check CHAPTERS=03` in your edition), and once
-# they pass this notebook runs on your own engine.
+# the handout; the project's tests grade your code (`make check CHAPTERS=03` in your edition), and
+# once they pass this notebook runs on your own engine.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -1048,13 +1052,14 @@ analysis.ask("03")
 #   never change afterwards. We checked it on SmolLM2: appending a token leaves every earlier
 #   key and value of all 30 layers unchanged. The **KV cache** stores them once.
 # - Without a cache, producing the next token after $n$ costs $n$ tokens' worth of projections
-#   ($O(N^2)$ for $N$ tokens); with it, one token's worth ($O(N)$), plus attention over the
-#   cache. Measured on SmolLM2, time per token grows with length without a cache and stays flat
-#   with one; both produce the same greedy tokens, and so does the engine's paged cache.
-# - The price is memory: $2 N_{\text{layers}} H_{kv} d$ elements per token (`ModelConfig.kv_bytes_per_token`),
-#   e.g. 128 KiB per token for a Llama-3-8B shape in bf16. For small models the cache, not the
-#   weights, fills the GPU. The model runner turns its byte budget into whole blocks of
-#   `block_size` tokens and allocates one tensor for all of them.
+#   ($O(n_{\text{out}}^2)$ for $n_{\text{out}}$ tokens); with it, one token's worth
+#   ($O(n_{\text{out}})$), plus attention over the cache. Measured on SmolLM2, time per token grows
+#   with length without a cache and stays flat with one; both produce the same greedy tokens, and
+#   so does the engine's paged cache.
+# - The price is memory: $2 N_{\text{layers}} H_{kv} d$ elements per token
+#   (`ModelConfig.kv_bytes_per_token`), e.g. 128 KiB per token for a Llama-3-8B shape in bf16. For
+#   small models the cache, not the weights, fills the GPU. The model runner turns its byte budget
+#   into whole blocks of `block_size` tokens and allocates one tensor for all of them.
 # - Reserving `max_model_len` contiguous slots per request wastes most of that memory on real
 #   request mixes; allocating in 16-token blocks wastes at most 15 tokens per request, a
 #   fraction of a percent.

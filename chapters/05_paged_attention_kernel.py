@@ -656,10 +656,13 @@ else:
 #   + \underbrace{2\,B\,H\,d\,e}_{q\text{ in, }o\text{ out}},$$
 #
 # and the fastest it could possibly run is that number divided by the memory bandwidth: the
-# **roofline** of a memory-bound kernel. `nanovllm/benchmarks/decode_kernel.py` measured the kernel
-# on an H200 (`python -m nanovllm.benchmarks.decode_kernel`, Qwen3-0.6B's attention shape, bf16,
-# blocks scattered in shuffled order over a pool much larger than the 60 MB L2 cache, each call
-# timed inside a CUDA graph so that only device time counts). It also measured, in the same
+# **roofline** of a memory-bound kernel. (A roofline bounds a kernel's speed by the memory
+# bandwidth and by the peak arithmetic rate, whichever binds first; chapter 11 §3 draws both
+# roofs. A decode attention kernel does too little arithmetic per byte to meet the second.)
+# `nanovllm/benchmarks/decode_kernel.py` measured the kernel on an H200
+# (`python -m nanovllm.benchmarks.decode_kernel`, Qwen3-0.6B's attention shape, bf16, blocks
+# scattered in shuffled order over a pool much larger than the 60 MB L2 cache, each call timed
+# inside a CUDA graph so that only device time counts). It also measured, in the same
 # run, the copy bandwidth (the ceiling) and PyTorch's `scaled_dot_product_attention` on the
 # same bytes laid out *contiguously* (cuDNN and flash backends): the peers. We load the
 # recorded file:

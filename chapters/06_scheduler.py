@@ -361,14 +361,48 @@ print("same tokens either way:",
 
 # %% [markdown]
 # The engine's schedule is exactly the one the simulators predicted, and the generated tokens
-# do not depend on how the requests were batched. In wall-clock time (machine-dependent):
+# do not depend on how the requests were batched. In wall-clock time (machine-dependent), with
+# the steps split by kind: a step that computes a prompt (alone or beside decodes) and a step
+# that only decodes, each with its mean duration from the timeline:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
+def step_kinds(records) -> tuple[list[float], list[float]]:
+    """Durations of the steps that compute a prompt and of the decode-only steps."""
+    steps = {}  # step -> [duration, computes a prompt]; one timeline entry per request and step
+    for r in records:
+        entry = steps.setdefault(r["step"], [r["end"] - r["start"], False])
+        entry[1] |= r["kind"] == "prefill"
+    return ([d for d, prompt in steps.values() if prompt],
+            [d for d, prompt in steps.values() if not prompt])
+
+
 total_tokens = sum(LENGTHS)
-for name, wall in [("static", static_wall), ("continuous", cont_wall)]:
-    print(f"{name:>10}: {wall:5.2f} s, {total_tokens / wall:5.1f} output tokens/s")
-print(f"continuous batching finished the workload {static_wall / cont_wall:.2f}x faster")
+for name, wall, records in [("static", static_wall, static_rec),
+                            ("continuous", cont_wall, cont_rec)]:
+    with_prompt, decode_only = step_kinds(records)
+    print(f"{name:>10}: {wall:5.2f} s, {total_tokens / wall:5.1f} output tokens/s; "
+          f"{len(with_prompt)} steps with a prompt, {1e3 * np.mean(with_prompt):6.2f} ms each; "
+          f"{len(decode_only)} decode-only, {1e3 * np.mean(decode_only):6.2f} ms each")
+print(f"continuous batching: {static_wall / cont_wall:.2f}x the throughput of static batching")
+
+# %% [markdown]
+# Fewer steps need not mean less time, because the two kinds of step cost differently, and the
+# difference depends on the device. Static batching computes prompts only in the first step of
+# each group; continuous batching admits a waiting request in the step after a slot frees, so
+# more of its steps carry a prompt. On a CPU a step's cost is mostly its arithmetic, and fewer
+# steps win. On a GPU the engine replays a decode-only step as a CUDA graph, while a step with
+# a prompt runs eagerly, one kernel launch at a time (chapter 07 measures the difference). The
+# chapter's run on an H200 (`figures/data/gpu_runs/06_scheduler.h200.ipynb`, the cell above,
+# recorded before the split by kind was added) shows what that does to this tiny workload:
+# continuous batching took fewer steps and *more* time, about half the throughput of static
+# batching. The schedules say why: continuous batching computes a prompt in 5 of its 18 steps
+# (the first, and one per refill: the spans of §1 start at steps 0, 3, 5, 7 and 10), static
+# batching in 2 of its 26 (0 and 14). Those steps run eagerly, and with eight short requests of
+# a 135M model nothing hides their launch costs; the split printed above, run on a GPU, shows
+# what each kind of step costs there. A production
+# engine also captures graphs for steps that mix prompts and decodes (vLLM's piecewise
+# graphs); this engine does not (chapter 07).
 
 
 # %%
@@ -403,7 +437,7 @@ plt.show()
 # Read the top chart row by row: request 0 is done after three tokens, but its slot stays empty
 # until request 1 finishes its fourteenth; requests 4–7 wait (grey) for the whole first group.
 # In the bottom chart request 4 takes request 0's slot in the step after it leaves, request 5
-# takes request 2's, request 6 request 4's, and so on (compare the spans printed in 6.1): a slot
+# takes request 2's, request 6 request 4's, and so on (compare the spans printed in §1): a slot
 # never idles while someone waits. The orange prefill bars are wider than
 # the decode bars because a step that computes prompts does more work; in the continuous run
 # some steps mix a prefill with the decodes of the others, which is why those steps are longer
@@ -421,8 +455,8 @@ plt.show()
 # scale that up: C = 8, 16 and 32 requests arrive at once, eight slots (`max_num_seqs=8`), 8-token
 # prompts, and output lengths drawn from 1 to 32 tokens, as answers differ in length. Static
 # batching runs groups of eight to completion, one after another; continuous batching gets all C
-# at once. The step counts depend only on the lengths, so nbval checks them; the simulators of
-# 6.1 predict them.
+# at once. The step counts depend only on the lengths, so the notebook tests check them; the
+# simulators of §1 predict them.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -513,8 +547,12 @@ plt.show()
 # answers of one length there is nothing to gain at all. In wall time the gain differs from the
 # step ratio, because steps differ in cost (a half-empty step is cheaper than a full one, and
 # each static group starts with a prefill step of its own); the table shows by how much on this
-# machine. Larger published gains (Anyscale's 2023 blog post reported up to 23× for vLLM against
-# static batching in Hugging Face's pipelines) come from wider length spreads and from other
+# machine. On a GPU the wall-time "gain" of continuous batching here is below 1 (the H200 run
+# of this chapter, `figures/data/gpu_runs/06_scheduler.h200.ipynb`): each refill puts a prompt
+# into a step, and such a step runs eagerly while a decode-only step replays a CUDA graph, as
+# section 2 showed. What the step counts measure, the scheduling, does not depend on that.
+# Larger published gains (Anyscale's 2023 blog post reported up to 23× for vLLM against static
+# batching in Hugging Face's pipelines) come from wider length spreads and from other
 # differences between the engines compared. Quote such claims with their workload, or better:
 # measure them, as here.
 
@@ -1226,12 +1264,12 @@ analysis.ask("06")
 #   identical tokens however it scheduled them.
 # * **Continuous batching** refills a slot the step after it frees; static batching holds it
 #   until the batch's longest request ends. On our eight requests that was the difference
-#   between the step counts printed in 6.1 and 6.2, and the engine's schedule matched a ten-line
+#   between the step counts printed in §1 and §2, and the engine's schedule matched a ten-line
 #   simulator exactly.
 # * **Continuous against static batching** with 8 to 32 requests: the gain is the static
 #   schedule's idle slot-steps, set by how much output lengths differ, not by the number of
 #   requests. We measured the "3–5× above 8 requests" claim instead of repeating it (the steps
-#   and the verdict are printed in 6.3).
+#   and the verdict are printed in §3).
 # * **Chunked prefill** lets a prompt that does not fit next to the running decodes start at
 #   once, which removes head-of-line blocking for the requests behind it; it does not let later
 #   arrivals overtake a prompt already in progress.

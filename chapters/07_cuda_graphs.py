@@ -269,7 +269,8 @@ if breakdown_path.exists():
 else:
     print("host time breakdown: not recorded yet (figures/data/host_breakdown_h200.json; "
           "run the host_breakdown stage of tests/gpu/h200_session.sh on a GPU)")
-#
+
+# %% [markdown]
 # ## 2. Capture and replay
 #
 # A **CUDA graph** removes the host from the loop. During *capture*, the kernels the code
@@ -621,7 +622,10 @@ show_source(decode_step.decode_step_benchmark)
 # results (on a GPU, the cell after the figure measures your own):
 
 # %%
-graphs_record = json.loads((figures_dir() / "data" / "cuda_graphs_h200.json").read_text())
+from nanovllm.viz.records import HEADLINES, load_record
+
+# The book's current batch-1 graph decode step is this record's (nanovllm/viz/records.py).
+graphs_record = load_record(HEADLINES["h200_qwen3_0.6b_graph_decode_step_batch1"].record)
 rows = graphs_record["rows"]
 batches = [r["batch"] for r in rows]
 for r in rows:

@@ -34,8 +34,8 @@
 # two fp8 formats, e4m3 and e5m2, drawn value by value; fp8 W8A8 with a scale per token; fp8
 # checkpoints; and the fp8 KV cache, which doubles the tokens a cache holds. Finally the
 # accuracy of every variant on SmolLM2, measured live, the H200 speed and memory record, and a
-# check, part by part, of the claim this book's seed material makes: "INT8: memory −50%, speed
-# +20%, accuracy loss < 1%".
+# check, part by part, of a claim often repeated about int8 (one of those chapter 13 §9
+# collects): "INT8: memory −50%, speed +20%, accuracy loss < 1%".
 #
 # Package modules taught here: `nanovllm/layers/quantization/` (`scales.py`: symmetric
 # per-row scales; `int8.py`: W8A16; `fp8.py`: W8A8; `fp8_checkpoint.py`: pre-quantized
@@ -128,12 +128,12 @@ def agree(name: str, ours: torch.Tensor, ref: torch.Tensor, rtol: float) -> bool
 # step reads **all** the weights once, shared by the $B$ tokens, and every sequence's KV cache
 # (chapter 03). A generated token therefore costs, in bytes read,
 #
-# $$\frac{W}{B} + n \cdot 2 L H_{kv} d\, e_{kv},$$
+# $$\frac{M_w}{B} + n \cdot 2 N_{\text{layers}} H_{kv} d\, e_{kv},$$
 #
-# with $W$ the bytes of the weights the step reads (the linear layers and the LM head; the
-# embedding table is only indexed, $B$ rows of it), $n$ the sequence's context, $N_{\text{layers}}$ layers,
-# $H_{kv}$ KV heads of dimension $d$ and $e_{kv}$ bytes per cached number. Quantization attacks
-# both terms: **weight quantization** shrinks $W$, an **fp8 KV cache** halves $e_{kv}$.
+# with $M_w$ the bytes of the weights the step reads (the linear layers and the LM head; the
+# embedding table is only indexed, $B$ rows of it), $n$ the sequence's context, $N_{\text{layers}}$
+# layers, $H_{kv}$ KV heads of dimension $d$ and $e_{kv}$ bytes per cached number. Quantization
+# attacks both terms: **weight quantization** shrinks $M_w$, an **fp8 KV cache** halves $e_{kv}$.
 #
 # What do the weights weigh? We build the models on PyTorch's `meta` device (shapes, no
 # memory), in bf16, and let the package's own `process_weights_after_loading` quantize them,
@@ -185,15 +185,14 @@ for s in SHAPES:
 # Now the bound. With the H200's copy bandwidth and bf16 matmul rate (the book's one record of
 # each, as in chapter 05), a decode step's matmuls take at least
 # $\max(\text{bytes}/\text{bandwidth},\ \text{FLOPs}/\text{peak})$: two FLOPs per weight per
-# token, $2PB$ FLOPs for $P$ weights. For Qwen3-8B, whose linear layers and LM head a step
-# reads in full:
+# token, $2\,N_{\text{params}}B$ FLOPs for $N_{\text{params}}$ weights. For Qwen3-8B, whose linear
+# layers and LM head a step reads in full:
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from nanovllm.viz.records import headline
+from nanovllm.viz.records import current, headline
 
 H200_BF16_FLOPS = headline("h200_bf16_matmul_flops")  # bf16 8192^3 matmul
-bench_record = json.loads((DATA / "bench_h200.json").read_text())
 bandwidth = headline("h200_copy_bytes_per_s")
 cfg8 = sizes["qwen3-8b", None][0]
 head = cfg8.vocab_size * cfg8.hidden_size  # LM head weights, bf16 in every variant
@@ -624,8 +623,8 @@ for layer_name, (n, k) in qwen8_layers.items():
 # %% [markdown]
 # At $M = 1$ the `o_proj` and `down_proj` layers have only 128 column tiles for 132 SMs, so
 # the kernel splits K in 4 (512 programs) to have at least two programs per SM; `qkv_proj`
-# splits in 2, `gate_up_proj` has tiles enough. The tile sizes are a first guess, not yet tuned on the H200 (`python -m nanovllm.benchmarks.quantization --sweep-int8` times a grid
-# of them).
+# splits in 2, `gate_up_proj` has tiles enough. The tile sizes are a first guess, not yet tuned on
+# the H200 (`python -m nanovllm.benchmarks.quantization --sweep-int8` times a grid of them).
 #
 # Does it compute the right numbers? On a CPU the kernel runs under the Triton interpreter, so
 # small shapes only; each case against a float64 reference. fp32 and fp16 inputs, bf16 too
@@ -837,8 +836,8 @@ plt.show()
 # them.
 #
 # But even the best W8A8 variants lose 9 to 11 dB at the layer's output against W8A16, which
-# keeps the activations exact: quantizing activations is the price of running the multiply itself in
-# 8 bits. Section 8 measures that price on the whole model.
+# keeps the activations exact: quantizing activations is the price of running the multiply itself
+# in 8 bits. Section 8 measures that price on the whole model.
 #
 # ## 6. fp8 checkpoints
 #
@@ -977,8 +976,8 @@ print(f"fp8 / bf16 blocks: {blocks['fp8'] / blocks['auto']:.0f}x; KV bytes per t
 #
 # ## 8. Accuracy on SmolLM2, measured live
 #
-# `nanovllm/benchmarks/quant_eval.py` compares each variant with the unquantized engine of the same model,
-# device and dtype:
+# `nanovllm/benchmarks/quant_eval.py` compares each variant with the unquantized engine of the same
+# model, device and dtype:
 #
 # * **layer SQNR**: every linear layer's output on its real input, exact against quantized
 #   (minimum and median over the 120 layers): each layer's own error, before it accumulates;
@@ -1045,9 +1044,9 @@ print("median layer SQNR, int8 at least 8 dB above fp8:",
 #
 # A CPU tells us nothing about GPU speed: here the int8 path is `torch._weight_int8pack_mm` or a
 # dequantize-then-fp32 matmul, and fp8 is emulated. The speed and memory numbers come from
-# `python -m nanovllm.benchmarks.quantization` on an H200 (Qwen3-0.6B and Qwen3-8B shapes, random weights,
-# bf16): weight bytes, KV-cache blocks at the same memory budget, the engine's decode step at
-# batch 1, 64 and 256 (context 1024, CUDA graphs), each layer's GEMM alone, and the nano-vllm
+# `python -m nanovllm.benchmarks.quantization` on an H200 (Qwen3-0.6B and Qwen3-8B shapes, random
+# weights, bf16): weight bytes, KV-cache blocks at the same memory budget, the engine's decode step
+# at batch 1, 64 and 256 (context 1024, CUDA graphs), each layer's GEMM alone, and the nano-vllm
 # workload's throughput; and `python -m nanovllm.benchmarks.quant_eval` measures what section 8
 # measures on the GPU in bf16, on its own texts. Both write JSON to `figures/data/`:
 
@@ -1127,6 +1126,12 @@ if quant_record is None:
     print("The H200 speed and memory record (figures/data/quant_h200.json) is not there yet.")
 else:
     print_quant_record(quant_record)
+    # The bf16 rows above are this tool's own runs (every variant, one after another, with the
+    # settings the record names); the book's current figures for bf16 Qwen3-0.6B are others:
+    print(f"\nthe book's current bf16 Qwen3-0.6B figures (nanovllm/viz/records.py): "
+          f"{current('h200_qwen3_0.6b_tok_s')} on the nano-vllm workload, "
+          f"{current('h200_qwen3_0.6b_graph_decode_step_batch1')} per decode step at batch 1; "
+          "compare the variants above with each other, not with these")
 if eval_record is None:
     print("The H200 accuracy record (figures/data/quant_eval_h200.json) is not there yet.")
 else:
@@ -1210,8 +1215,8 @@ else:
 # * **int8 at batch 1 on Qwen3-8B** is where weight bytes bound the step: 5.60 → 4.50 ms, a
 #   1.24× speed-up, against a byte ratio of 16.4 / 9.4 GB = 1.74×. Our kernel turns about a
 #   third of the possible gain into time; streaming int8 codes as fast as cuBLAS streams bf16
-#   needs better-tuned tiles than ours (`python -m nanovllm.benchmarks.quantization --sweep-int8` is the
-#   tool to start from).
+#   needs better-tuned tiles than ours (`python -m nanovllm.benchmarks.quantization --sweep-int8`
+#   is the tool to start from).
 # * **At batch 64 and 256** int8 *loses* (0.77× and 0.70× on Qwen3-8B): past the ridge the
 #   step is bound by arithmetic, where widening the codes in registers costs work that cuBLAS's
 #   bf16 GEMM does not do. On the whole nano-vllm workload, most of whose steps are large
@@ -1266,8 +1271,7 @@ else:
 # %% [markdown]
 # ## 10. "INT8: memory −50%, speed +20%, accuracy loss < 1%" — checked
 #
-# The seed material of this book makes that claim, without saying for which model, hardware
-# or measure. We check each part against what this chapter measured, and say where.
+# The claim is usually made without saying for which model, hardware or measure. We check each part against what this chapter measured, and say where.
 #
 # **Memory −50%.** Exact, from section 1 (counting bytes, so the same on every device):
 
@@ -1362,11 +1366,11 @@ else:
 # For int8 weight-only, on section 8's CPU measures, yes: perplexity moves by about 0.1% and
 # the top token almost never changes. The H200 rows printed above, in bf16 on longer texts, are
 # less kind (read their top-1 and greedy agreement): the claim depends on the texts and the
-# dtype it is measured with. "Accuracy loss" is not one number, though, and the same measurements make the claim false for fp8 W8A8 on this model (over 1%
-# perplexity, about 10% of top-1 choices changed). Two warnings go with any such claim: a
-# 135M-parameter model on four short texts is a small test (a larger evaluation set and a task
-# accuracy would be the next step), and our SmolLM2 reference is itself a 4-bit model in
-# disguise (section 2.2).
+# dtype it is measured with. "Accuracy loss" is not one number, though, and the same measurements
+# make the claim false for fp8 W8A8 on this model (over 1% perplexity, about 10% of top-1 choices
+# changed). Two warnings go with any such claim: a 135M-parameter model on four short texts is a
+# small test (a larger evaluation set and a task accuracy would be the next step), and our SmolLM2
+# reference is itself a 4-bit model in disguise (section 2.2).
 #
 # In one line: int8 weights halve the linear layers, not the model; they speed up decoding
 # where it is bound by weight bytes (small batches, large models), by up to the byte ratio and
@@ -1383,8 +1387,8 @@ print(f"chapter run time so far: {time.perf_counter() - chapter_start:.0f} s")
 # these parts of the package yourself: the per-output-channel int8 scales and rounding
 # (`08.channel_scales`, section 2) and the per-row e4m3 quantization that fp8 W8A8 applies to
 # every token (`08.token_scales`, section 5.2). Each function's docstring is the handout; the
-# project's tests grade your code (`make check CHAPTERS=08` in your edition), and once they pass this
-# notebook runs on your own engine.
+# project's tests grade your code (`make check CHAPTERS=08` in your edition), and once they pass
+# this notebook runs on your own engine.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -1583,10 +1587,10 @@ analysis.ask("08")
 # ## Summary
 #
 # - A decode step reads every weight once for all $B$ sequences and each sequence's KV cache:
-#   per generated token $W/B + n \cdot 2LH_{kv}d\,e_{kv}$ bytes. At small batches the weights
-#   dominate and the step is bound by their bytes; for Qwen3-8B on an H200, int8 linear layers
-#   lower that bound by about 1.85× at batch 1 (the LM head stays bf16), and nothing past the
-#   ridge, where a W8A16 matmul still multiplies in bf16.
+#   per generated token $M_w/B + n \cdot 2N_{\text{layers}}H_{kv}d\,e_{kv}$ bytes. At small batches
+#   the weights dominate and the step is bound by their bytes; for Qwen3-8B on an H200, int8 linear
+#   layers lower that bound by about 1.85× at batch 1 (the LM head stays bf16), and nothing past
+#   the ridge, where a W8A16 matmul still multiplies in bf16.
 # - **Symmetric quantization**, $q = \mathrm{round}(x/s)$ with $s = \max|x|/127$: the error is
 #   at most half a step, and the step is set by the largest value sharing the scale. On
 #   SmolLM2's weights per-channel scales gain about 10 dB over one scale per tensor, and small
@@ -1608,9 +1612,10 @@ analysis.ask("08")
 # - **fp8 KV cache**: one static scale per layer for K and V (1.0: SmolLM2's keys and values
 #   stay far below 448), twice the blocks in the same memory, half the cache bytes per step.
 # - **Accuracy on SmolLM2** (CPU, live): int8 changes perplexity by about 0.1% and keeps the
-#   CPU's greedy runs (the H200's bf16 record on longer texts agrees less, section 10); fp8 W8A8 costs about 12 dB per layer, 1.6% of perplexity and one top-1 token
-#   in ten; the fp8 KV cache under 1% of perplexity.
-# - **The seed's claim**: "memory −50%" holds for the linear layers, not for whole models
+#   CPU's greedy runs (the H200's bf16 record on longer texts agrees less, section 10); fp8 W8A8
+#   costs about 12 dB per layer, 1.6% of perplexity and one top-1 token in ten; the fp8 KV cache
+#   under 1% of perplexity.
+# - **The claim**: "memory −50%" holds for the linear layers, not for whole models
 #   (−37% to −42% here); "accuracy loss < 1%" holds for int8 on our measures, not for fp8;
 #   "speed +20%" depends on the batch and the model, up to the byte ratio at small batches and
 #   nothing past the ridge; the H200 record (section 9) measures where our kernels land.

@@ -92,6 +92,7 @@ from nanovllm.layers.linear import (
 )
 from nanovllm.models import ModelConfig, get_model_class
 from nanovllm.viz import BOOK_COLORS, figures_dir, save_figure, show_source, use_book_style
+from nanovllm.viz.records import current, headline
 
 torch.set_num_threads(1)
 use_book_style()
@@ -177,13 +178,13 @@ for (s, n), (cfg, nbytes) in per_rank.items():
 # about twice the room *and* each token costs it half as much, so the cache holds about
 # three times the tokens of $N=1$. The table makes the second argument too: every number per
 # GPU falls as $1/N$, including the bytes a decode step must read. With the H200 copy
-# bandwidth recorded by chapter 11's benchmark, the weights alone bound a decode step below by:
+# bandwidth (the book's one record of it, `nanovllm/viz/records.py`), the weights alone bound a
+# decode step below by:
 
 # %%
 # NBVAL_CHECK_OUTPUT
-bench = json.loads((DATA / "bench_h200.json").read_text())
-bandwidth = bench["copy_bandwidth_gb_s"] * 1e9
-print(f"H200 copy bandwidth (recorded {bench['date']}): {bandwidth / 1e12:.2f} TB/s")
+bandwidth = headline("h200_copy_bytes_per_s")
+print(f"H200 copy bandwidth: {current('h200_copy_bytes_per_s')}")
 for s in SHAPES:
     bounds = ", ".join(f"N={n}: {per_rank[s, n][1] / bandwidth * 1e3:5.2f} ms"
                        for n in (1, 2, 4, 8))
@@ -667,6 +668,8 @@ step_ms = {(m, n, d["batch"]): d["graphs_ms"] for (m, n), e in engines.items() f
 print("decode step with CUDA graphs, ms   batch 1   batch 64")
 for m, n in engines:
     print(f"  {m:11s} TP={n}              {step_ms[m, n, 1]:7.2f}   {step_ms[m, n, 64]:8.2f}")
+print(f"(this record's TP=1 rows are its own baseline, measured like its TP=2 rows; the book's "
+      f"current batch-1 step, chapter 07: {current('h200_qwen3_0.6b_graph_decode_step_batch1')})")
 
 # %% [markdown]
 # TP=2 does **not** make a single decode step faster here: for the 0.6B shape it is nearly
@@ -760,6 +763,8 @@ for (m, n), e in engines.items():
 for m in model_cfgs:
     gain = engines[m, 2]["output_tok_s"] / engines[m, 1]["output_tok_s"]
     print(f"{m}: TP=2 / TP=1 = {gain:.2f}x throughput, on twice the GPUs")
+print(f"(TP=1 here has 40 GiB of KV cache and ran in a process that had run other engines; the "
+      f"book's current single-GPU figure, chapter 11: {current('h200_qwen3_0.6b_tok_s')})")
 
 # %%
 fig, ax = plt.subplots(figsize=(7, 3.8))

@@ -90,6 +90,7 @@ from nanovllm.serve import ServeConfig, ServerThread, build_app
 from nanovllm.serve.admission import TokenBucket
 from nanovllm.serve.config import ApiKey, Limits
 from nanovllm.viz import figures_dir, save_figure, show_source, use_book_style
+from nanovllm.viz.records import HEADLINES, load_record
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 saved_threads = torch.get_num_threads()
@@ -516,7 +517,7 @@ display(fig)
 # %%
 # NBVAL_IGNORE_OUTPUT
 data = figures_dir() / "data"
-bench = json.loads((data / "bench_h200.json").read_text())
+bench = load_record(HEADLINES["h200_qwen3_0.6b_tok_s"].record)  # the book's current one
 print(f"measured ({bench['device']}, {bench['date']}): {bench['model']}, {bench['requests']} "
       f"requests, {bench['nanovllm_tok_s']:,.0f} output tok/s offline, mean decode batch "
       f"{bench['mean_decode_batch']:.0f}, mean decode step {bench['mean_decode_step_ms']:.2f} ms")
@@ -530,7 +531,8 @@ if serve_h200.exists():
               f"TTFT p99 {1e3 * run['ttft']['p99']:.0f} ms, "
               f"TPOT p99 {1e3 * run['tpot']['p99']:.1f} ms, goodput {run['goodput_rps']:.1f}")
 tp = json.loads((data / "tp_h200x2.json").read_text())
-print(f"tensor parallelism ({tp['device']}, {tp['runs'][-1]['date'][:10]}), nano-vllm workload:")
+print(f"tensor parallelism ({tp['device']}, {tp['runs'][-1]['date'][:10]}), nano-vllm workload, "
+      "40 GiB of KV cache per GPU (chapter 09's own runs, TP=1 included):")
 for run in tp["engines"]:
     graphs_ms = {row["batch"]: row["graphs_ms"] for row in run["decode"]}
     print(f"   {run['model']:11s} TP={run['tp']}: {run['output_tok_s']:7,.0f} output tok/s, decode "
@@ -541,7 +543,8 @@ for run in tp["engines"]:
 #
 # - The server saturates long before the engine does: at "inf" it delivers about 3,900
 #   output tok/s, while the same engine offline runs the larger nano-vllm workload several
-#   times faster (the TP=1 rows above; chapter 11 holds the current single-GPU record). Its TPOT jumps from ~2 ms to ~30 ms between 16 and 64 requests/s. The server and
+#   times faster (the first line above, chapter 11's record). Its TPOT jumps from ~2 ms to
+#   ~30 ms between 16 and 64 requests/s. The server and
 #   the engine share one Python process (one GIL): parsing requests, formatting a JSON chunk
 #   per token per stream and the event loop compete with the engine's step loop. This is
 #   why vLLM runs its API server and its engine core in separate processes.

@@ -72,15 +72,11 @@ from nanovllm.benchmarks.workload import bandwidth_bound_seconds, bound_bytes, m
 from nanovllm.configs import config_path
 from nanovllm.models import ModelConfig, get_model_class
 from nanovllm.viz import BOOK_COLORS, figures_dir, save_figure, show_source, use_book_style
+from nanovllm.viz.records import HEADLINES, load_record  # what GPUs recorded, figures/data/
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 use_book_style()
 DATA = figures_dir() / "data"
-
-
-def load_record(name: str) -> dict:
-    """A result recorded on a GPU, from figures/data/."""
-    return json.loads((DATA / name).read_text())
 
 
 def smollm2_model() -> tuple[Path, str]:
@@ -120,7 +116,7 @@ print(f"output tokens: {work.output_tokens:,} (from {min(work.output_lens)} to "
 # our engine ran the same 32 again, so that the ratio compares equal work. Here is the record:
 
 # %%
-bench = load_record("bench_h200.json")
+bench = load_record(HEADLINES["h200_qwen3_0.6b_tok_s"].record)  # the book's current figure
 print(f"{bench['device']}, {bench['date']}, torch {bench['torch']}")
 print(f"command: {bench['command']}")
 print(f"nanovllm, all {bench['requests']} requests: {bench['output_tokens']:,} tokens in "
@@ -239,11 +235,11 @@ print("and the recorded fraction of the bound:",
 # ## 3. The roofline of the workload
 #
 # A **roofline** plots performance (FLOP/s) against arithmetic intensity (FLOPs per byte
-# moved). A computation of intensity $I$ can run at most at $\min(P, I\cdot B)$, with $P$ the
-# peak arithmetic rate and $B$ the memory bandwidth: a slanted memory roof, then a flat compute
-# roof, meeting at the *ridge* $P/B$. For the H200 we use the rate of a large bf16 matrix
-# multiply (the practical compute roof, the book's one record of it, printed with the figure)
-# and the copy bandwidth of the run.
+# moved). A computation of intensity $I$ can run at most at $\min(\pi, I\beta)$, with $\pi$
+# the peak arithmetic rate and $\beta$ the memory bandwidth: a slanted memory roof, then a
+# flat compute roof, meeting at the *ridge* $\pi/\beta$. For the H200 we use the rate of a
+# large bf16 matrix multiply (the practical compute roof, the book's one record of it, printed
+# with the figure) and the copy bandwidth of the run.
 #
 # We place on it the parts of the workload, with their FLOPs counted as 2 per parameter per
 # token for the matrix multiplies and $4\,H d$ per (query, key) pair per layer for attention:
@@ -743,6 +739,7 @@ def run_workload(llm, work, max_tokens_cap=None):
     return time.perf_counter() - start, outs
 
 
+# %%
 # NBVAL_CHECK_OUTPUT
 null = null_engine(num_kv_blocks=20_000, max_model_len=4096)
 host_s, outs = run_workload(null, work)
@@ -778,8 +775,9 @@ for lo, hi in ((1, 16), (17, 64), (65, 255), (256, 256)):
 # H200's host it was several times larger than here (compare the profile's 3 ms of launch at
 # batch 256). Two more things would close the remaining gap: less host work per step (the
 # Python that builds each step's inputs could keep them on the GPU between steps and send only
-# what changed), and fewer steps with prompt tokens outside graphs. The kernels, at the
-# roofline, are no longer where the time is.
+# what changed), and fewer steps with prompt tokens outside graphs. The host is not the whole
+# gap, though: section 4.4 measures the device's own time by kind, and the kernels take most
+# of it.
 #
 # ### 4.4 The device's time by kind, and the first run
 #
@@ -1183,7 +1181,9 @@ for blocks in (need_blocks + 100, need_blocks // 2):
 # (they cycle many times within the training length) are kept as they are; pairs whose
 # wavelength is longer than $L_{\text{train}}$ are divided by $s$; in between, it blends the two smoothly. A
 # model's `config.json` carries the rule in `rope_scaling` (or `rope_parameters`), and
-# `nanovllm/layers/rotary.py` applies it:
+# `nanovllm/layers/rotary.py` applies it. (Chapter 12 teaches RoPE scaling in full: four
+# scalings built small and their perplexity past the trained length. This section looks only
+# at the llama3 rule and at what long sequences cost the engine.)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -1243,10 +1243,12 @@ plt.show()
 # `kv_bytes_per_token` bytes of cache; a decode step of a sequence must read all of them:
 
 # %%
+copy_bandwidth_h200 = headline("h200_copy_bytes_per_s")  # the book's one record of it
 for ctx in (8_192, 32_768, 131_072):
     kv = ctx * qwen3.kv_bytes_per_token(2)
     print(f"context {ctx:7,}: {kv / 1e9:6.2f} GB of KV cache per sequence; reading it takes "
-          f"{kv / bandwidth * 1e3:5.2f} ms per decode step at {bandwidth / 1e12:.2f} TB/s")
+          f"{kv / copy_bandwidth_h200 * 1e3:5.2f} ms per decode step at "
+          f"{copy_bandwidth_h200 / 1e12:.2f} TB/s")
 
 # %% [markdown]
 # At 131k tokens one sequence's cache is 15 GB and a single decode step of that sequence needs
@@ -1491,11 +1493,13 @@ analysis.ask("11")
 #   21,000 tok/s on an H200 with Qwen3-0.6B, about 50 times transformers' continuous batching
 #   on equal work (recorded; identical runs differ by several percent).
 # - The **bandwidth bound** (weights once per step plus every KV read, at the measured copy
-#   bandwidth) is about 3.6 s, some 37,000 tok/s: we run at 57% of it. The workload sits at
-#   about 25 FLOP/byte, far below the H200's ridge: decode is a bandwidth problem.
-# - The attention kernel runs at the roofline; the time beyond the bytes was in everything
-#   around it. **Fused kernels** (residual add + RMSNorm, q/k norm + RoPE, SiLU × up) cut a
-#   decode step from about 1,400 kernels to about 310, and the batch-1 step from 4.4 to 1.8 ms:
+#   bandwidth) is about 3.6 s, some 37,000 tok/s: that record reached 57% of it, today's
+#   defaults 61% (section 4.4). The workload sits at about 25 FLOP/byte, far below the H200's
+#   ridge: decode is a bandwidth problem.
+# - The attention kernel runs near the roofline on fixed shapes (chapter 05); a decode step
+#   also pays for everything around it. **Fused kernels** (residual add + RMSNorm, q/k norm +
+#   RoPE, SiLU × up) cut a decode step from about 1,400 kernels to about 310, and the batch-1
+#   step from 4.4 to 1.8 ms:
 #   2.5 times the throughput. **Async scheduling** lets the CPU schedule and prepare step n+1
 #   while the GPU computes step n, feeding step n's tokens to step n+1 on the GPU through
 #   placeholders: the GPU went from about 70% to 90% busy at batch 256, another 1.6 times.

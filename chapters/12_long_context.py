@@ -27,7 +27,7 @@
 #    *dynamic NTK* and *YaRN*. We build dynamic NTK and YaRN small, check them against the
 #    package and against `transformers`, face the clash between dynamic NTK and a KV cache,
 #    and measure perplexity by position past SmolLM2's trained length.
-# 2. **Sliding-window attention** (Mistral) lets each query see only its last $W$ keys: the
+# 2. **Sliding-window attention** (Mistral) lets each query see only its last $w$ keys: the
 #    cost per token stops growing with the context.
 # 3. **Adding a model**, step by step: Qwen2 (a bias on the query/key/value projections) as
 #    the worked example; Mistral's window and Phi-3 (fused checkpoint tensors) as your
@@ -37,11 +37,11 @@
 # `nanovllm/models/model_config.py` (reading `rope_scaling` / `rope_parameters` and
 # `sliding_window`), `nanovllm/models/qwen2.py`, `nanovllm/models/mistral.py`,
 # `nanovllm/models/phi3.py` with the loader's hook for fused tensors
-# (`nanovllm/weights/loader.py`), `nanovllm/models/registry.py`, the window in `nanovllm/layers/torch_attention.py`,
-# `nanovllm/layers/attention.py` and the Triton kernels (`kernels/prefill_attention.py`,
-# `kernels/decode_attention.py`), the freeing of blocks behind the window
-# (`nanovllm/engine/sliding_window.py`), and `nanovllm/benchmarks/long_context.py` (perplexity by
-# position).
+# (`nanovllm/weights/loader.py`), `nanovllm/models/registry.py`, the window in
+# `nanovllm/layers/torch_attention.py`, `nanovllm/layers/attention.py` and the Triton kernels
+# (`kernels/prefill_attention.py`, `kernels/decode_attention.py`), the freeing of blocks behind the
+# window (`nanovllm/engine/sliding_window.py`), and `nanovllm/benchmarks/long_context.py`
+# (perplexity by position).
 #
 # The chapter runs in about a minute on a 2-core CPU: tiny random models for the parity
 # checks, and the long-text perplexity from a record made with the package's own command
@@ -96,60 +96,64 @@ chapter_start = time.perf_counter()
 # RoPE rotates channel pair $i$ of a query or key at position $m$ by the angle
 # $m\,\omega_i$, with $\omega_i = \theta^{-2i/d}$ (chapter 01). Pair $i$ completes a
 # turn every $\lambda_i = 2\pi/\omega_i$ positions, its **wavelength**. Fast pairs (small
-# $i$) turn many times within the trained length $L$: every angle they can take was seen in
-# training. Slow pairs have wavelengths longer than $L$: in training they only ever covered
-# part of a turn, and past $L$ they reach angles the model never saw. How many pairs is that
-# for SmolLM2?
+# $i$) turn many times within the trained length $L_{\text{train}}$: every angle they can take was
+# seen in training. Slow pairs have wavelengths longer than $L_{\text{train}}$: in training they
+# only ever covered part of a turn, and past $L_{\text{train}}$ they reach angles the model never
+# saw. How many pairs is that for SmolLM2?
 
 # %%
 # NBVAL_CHECK_OUTPUT
 cfg = ModelConfig.from_pretrained(SMOLLM2)
-L, d, base = cfg.max_position_embeddings, cfg.head_dim, cfg.rope_theta
-theta = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-wavelength = 2 * math.pi / theta
-print(f"SmolLM2-135M: trained length {L}, head_dim {d}, base {base:g}")
-print(f"{int((wavelength > L).sum())} of {d // 2} pairs have a wavelength longer than {L}")
-print(f"the slowest pair turns {L / wavelength[-1].item():.3f} times within {L} positions")
+L_train, d, base = cfg.max_position_embeddings, cfg.head_dim, cfg.rope_theta
+omega = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)  # omega_i, per pair
+wavelength = 2 * math.pi / omega
+print(f"SmolLM2-135M: trained length {L_train}, head_dim {d}, base {base:g}")
+print(f"{int((wavelength > L_train).sum())} of {d // 2} pairs have a wavelength longer than "
+      f"{L_train}")
+print(f"the slowest pair turns {L_train / wavelength[-1].item():.3f} times within {L_train} "
+      "positions")
 
 # %% [markdown]
 # So the slowest pairs never complete a turn in training, and the slowest of all covers only
 # a fraction of one. All the scalings below slow those pairs down by a factor
-# $s$ so that $sL$ positions fit in the angles seen; they differ in what they do to the fast
-# pairs, which carry the fine position information.
+# $s$ so that $s\,L_{\text{train}}$ positions fit in the angles seen; they differ in what they do
+# to the fast pairs, which carry the fine position information.
 #
 # ## 2. Four scalings, built small
 #
-# With factor $s$ and trained length $L$:
+# With factor $s$ and trained length $L_{\text{train}}$:
 #
 # - **linear** (position interpolation): $\omega_i / s$ for every pair. Simple, but nearby
 #   positions become $s$ times harder to tell apart.
-# - **llama3**: fast pairs (wavelength $< L/4$) kept, slow ones (wavelength $> L$) divided
-#   by $s$, a smooth blend in between (chapter 11 §6).
-# - **dynamic NTK** ("NTK-aware"): keep the formula, raise the *base*. For a sequence of
-#   $n > L$ tokens, $\theta' = \theta\,\big(s\,n/L - (s-1)\big)^{d/(d-2)}$: the
-#   slowest pair is slowed by exactly $s\,n/L - (s-1)$ while the fastest does not move. It depends on
-#   $n$, which is where section 3's trouble comes from.
+# - **llama3**: fast pairs (wavelength $< L_{\text{train}}/4$) kept, slow ones
+#   (wavelength $> L_{\text{train}}$) divided by $s$, a smooth blend in between (chapter 11 §6).
+# - **dynamic NTK** ("NTK-aware"): keep the formula, raise the base $\theta$. For a sequence
+#   of $n > L_{\text{train}}$ tokens,
+#   $\theta' = \theta\,\big(s\,n/L_{\text{train}} - (s-1)\big)^{d/(d-2)}$: the slowest pair
+#   is slowed by exactly $s\,n/L_{\text{train}} - (s-1)$ while the fastest does not move. It
+#   depends on $n$, which is where section 3's trouble comes from.
 # - **YaRN** ("NTK-by-parts" plus a temperature): a pair that turns more than
-#   $\beta_\text{fast} = 32$ times within $L$ keeps $\omega_i$; one that turns fewer than
-#   $\beta_\text{slow} = 1$ times gets $\omega_i/s$; a linear ramp over the pair index in
+#   $\beta_\text{fast} = 32$ times within $L_{\text{train}}$ keeps $\omega_i$; one that turns fewer
+#   than $\beta_\text{slow} = 1$ times gets $\omega_i/s$; a linear ramp over the pair index in
 #   between. And cos/sin are multiplied by an **attention factor** $0.1 \ln s + 1$, so every
-#   attention logit grows by its square: longer contexts spread the softmax thinner, and the
-#   YaRN paper's fit sharpens it back.
+#   attention logit grows by its square: longer contexts spread the softmax thinner, and the YaRN
+#   paper's fit sharpens it back.
 #
 # Our own versions, written from these definitions:
 
 # %%
-def ntk_frequencies(d: int, base: float, s: float, L: int, n: int) -> torch.Tensor:
-    n = max(n, L)  # within the trained length: the plain frequencies
-    new_base = base * (s * n / L - (s - 1)) ** (d / (d - 2))
+def ntk_frequencies(d: int, base: float, s: float, L_train: int, n: int) -> torch.Tensor:
+    n = max(n, L_train)  # within the trained length: the plain frequencies
+    new_base = base * (s * n / L_train - (s - 1)) ** (d / (d - 2))
     return 1.0 / new_base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
 
 
-def yarn_frequencies(d: int, base: float, s: float, L: int, fast: float = 32, slow: float = 1):
+def yarn_frequencies(d: int, base: float, s: float, L_train: int, fast: float = 32,
+                     slow: float = 1):
     plain = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-    turns = L * plain / (2 * math.pi)  # full turns of each pair within the trained length
+    turns = L_train * plain / (2 * math.pi)  # full turns of each pair within the trained length
     # the ramp is linear in the pair index: find the (fractional) index of `fast` and `slow`
-    index = lambda r: d * math.log(L / (r * 2 * math.pi)) / (2 * math.log(base))  # noqa: E731
+    index = lambda r: d * math.log(L_train / (r * 2 * math.pi)) / (2 * math.log(base))  # noqa: E731
     low, high = max(math.floor(index(fast)), 0), min(math.ceil(index(slow)), d - 1)
     ramp = ((torch.arange(d // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)).clamp(0, 1)
     assert bool(((turns > fast) <= (ramp == 0)).all())  # fast pairs: kept
@@ -216,7 +220,7 @@ for head_dim, rope_base, trained in ((64, 1e5, 8192), (128, 1e6, 32768)):
 
 # %%
 def wavelengths(scaling: dict | None) -> torch.Tensor:
-    freqs = rotary.rope_inverse_frequencies(d, base, scaling, 2 * L)
+    freqs = rotary.rope_inverse_frequencies(d, base, scaling, 2 * L_train)
     return 2 * math.pi / freqs.double()
 
 
@@ -224,15 +228,15 @@ SCALINGS = {
     "no scaling": None,
     "linear": {"rope_type": "linear", "factor": 2.0},
     "dynamic NTK (n = 2L)": {"rope_type": "dynamic", "factor": 2.0,
-                             "original_max_position_embeddings": L},
-    "YaRN": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": L},
+                             "original_max_position_embeddings": L_train},
+    "YaRN": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": L_train},
 }
 fig, ax = plt.subplots(figsize=(7.5, 4))
 styles = ["-", "--", "-.", "-"]
 for (name, scaling), color, style in zip(SCALINGS.items(), BOOK_COLORS, styles):
     ax.plot(range(d // 2), wavelengths(scaling), style, color=color, label=name)
-ax.axhline(L, color="grey", linestyle=":", lw=1)
-ax.text(0.5, L * 1.3, f"trained length ({L:,})", fontsize=8, color="grey")
+ax.axhline(L_train, color="grey", linestyle=":", lw=1)
+ax.text(0.5, L_train * 1.3, f"trained length ({L_train:,})", fontsize=8, color="grey")
 ax.set(yscale="log", xlabel="channel pair i", ylabel="wavelength 2π/θ_i (positions)",
        title="SmolLM2's RoPE wavelengths under each scaling, factor 2")
 ax.legend(loc="upper left")
@@ -255,11 +259,11 @@ plt.show()
 # speeds. Re-rotating the whole cache every step would cost a pass over it per token.
 #
 # So nanovllm does what vLLM does: **one set of frequencies, those of the maximum length
-# the engine serves** ($n = sL$), for every sequence and every step. Keys and queries always
-# agree; the price is that short sequences, too, run with stretched frequencies, while
-# `transformers` would use the plain ones up to $L$. The difference, measured on a tiny random
-# Llama (trained length 32, factor 4, so the engine's length is 128): our logits against
-# `transformers`' for prompts of several lengths.
+# the engine serves** ($n = s\,L_{\text{train}}$), for every sequence and every step. Keys and
+# queries always agree; the price is that short sequences, too, run with stretched frequencies,
+# while `transformers` would use the plain ones up to $L_{\text{train}}$. The difference, measured
+# on a tiny random Llama (trained length 32, factor 4, so the engine's length is 128): our logits
+# against `transformers`' for prompts of several lengths.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -302,22 +306,22 @@ for n in (16, 40, 96, 128):
 # (`tests/test_rope_scaling.py` checks it); different below it. Neither is "right":
 # transformers' choice is itself inconsistent once it has a KV cache, since its cached keys
 # keep the rotation of the call that computed them. If you want the plain frequencies for
-# short inputs, serve the model without scaling (at most $L$ tokens); if you want long inputs,
-# the fixed stretched frequencies are the consistent choice.
+# short inputs, serve the model without scaling (at most $L_{\text{train}}$ tokens); if you want
+# long inputs, the fixed stretched frequencies are the consistent choice.
 #
 # ## 4. Perplexity past the trained length
 #
 # Does scaling work on a real model? `nanovllm/benchmarks/long_context.py` feeds the first tokens
-# (10,240 in the CPU record, 15,360 in the H200 one) of the public-domain text shipped with the package (*Alice in Wonderland*, chapters I–V,
-# 15,701 SmolLM2 tokens; `nanovllm/data/README.md`) to the engine as **one** prompt, with
-# `prompt_logprobs=0` (chapter 01) and chunked prefill, and keeps every token's negative
-# log-likelihood; the perplexity of each run of 512 positions shows how well the model
-# predicts at that distance into the text. Four variants of SmolLM2-135M, factor 2, that
-# differ only in their `config.json`: no scaling (the RoPE tables simply extended past
+# (10,240 in the CPU record, 15,360 in the H200 one) of the public-domain text shipped with the
+# package (*Alice in Wonderland*, chapters I–V, 15,701 SmolLM2 tokens; `nanovllm/data/README.md`)
+# to the engine as **one** prompt, with `prompt_logprobs=0` (chapter 01) and chunked prefill, and
+# keeps every token's negative log-likelihood; the perplexity of each run of 512 positions shows
+# how well the model predicts at that distance into the text. Four variants of SmolLM2-135M, factor
+# 2, that differ only in their `config.json`: no scaling (the RoPE tables simply extended past
 # 8,192), linear, dynamic NTK (fixed at $n = 16{,}384$) and YaRN. Scoring that many tokens costs
 # minutes per variant on a CPU, so the chapter plots a record made with the package's command
-# (seconds on a GPU; the H200 record, `12_long_context_h200.json`, is used when present, else
-# the shorter CPU one):
+# (seconds on a GPU; the H200 record, `12_long_context_h200.json`, is used when present, else the
+# shorter CPU one):
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -339,7 +343,7 @@ from nanovllm.benchmarks import long_context
 text_ids = long_context.text_ids(SMOLLM2)
 head = text_ids[: record["bin_size"] + 1]
 for name in ("no scaling", "YaRN"):
-    scaling = long_context.variants(L)[name]
+    scaling = long_context.variants(L_train)[name]
     folder = long_context.scaled_model_dir(SMOLLM2, scaling, len(head) + 1, work / name)
     nll = long_context.token_nll(folder, head, device="cpu")
     live = long_context.binned_perplexity(nll, record["bin_size"])[0]
@@ -367,13 +371,13 @@ plt.show()
 # %%
 # NBVAL_CHECK_OUTPUT
 trained_bins = record["trained_length"] // bins
-print(f"{'variant':<12} {'ppl < L/2':>10} {'L/2 .. L':>10} {'past L':>10}")
+print(f"{'variant':<12} {'< L_train/2':>12} {'L_train/2..':>12} {'past L_train':>12}")
 summary = {}
 for name, result in record["variants"].items():
     ppl = result["perplexity_by_bin"]
     parts = (ppl[: trained_bins // 2], ppl[trained_bins // 2 : trained_bins], ppl[trained_bins:])
     summary[name] = [math.exp(sum(map(math.log, p)) / len(p)) for p in parts]
-    print(f"{name:<12} " + " ".join(f"{v:10.1f}" for v in summary[name]))
+    print(f"{name:<12} " + " ".join(f"{v:12.1f}" for v in summary[name]))
 
 # %% [markdown]
 # The table gives the geometric mean of the bins' perplexities in three ranges: the first half
@@ -384,10 +388,10 @@ for name, result in record["variants"].items():
 plain = summary["no scaling"]
 for name, values in summary.items():
     if name != "no scaling":
-        print(f"{name:<12} " + " ".join(f"{v / p - 1:+10.1%}" for v, p in zip(values, plain)))
+        print(f"{name:<12} " + " ".join(f"{v / p - 1:+12.1%}" for v, p in zip(values, plain)))
 past = record["tokens"] / record["trained_length"]
-print(f"no scaling past L vs before L: {plain[2] / plain[1] - 1:+.1%} "
-      f"(the record reaches {past:.2f} L)")
+print(f"no scaling past L_train vs before it: {plain[2] / plain[1] - 1:+.1%} "
+      f"(the record reaches {past:.2f} L_train)")
 
 # %% [markdown]
 # What this record says, and what it does not:
@@ -397,26 +401,28 @@ print(f"no scaling past L vs before L: {plain[2] / plain[1] - 1:+.1%} "
 #   stays closest to plain RoPE; linear, which also slows them, moves furthest from it, and
 #   not always for the worse: in this record it does better than plain RoPE in part of the
 #   trained range. Read the table, not a rule.
-# - Past $L$, plain RoPE breaks down: read the last line above, the perplexity of the
-#   unscaled model past $L$ against the second half of the trained range (a passage every
-#   variant finds easy). Dynamic NTK and YaRN keep it far lower past $L$ (the middle table's
-#   last column), for the small cost inside; linear, in this record, pays the most inside and
-#   gains nothing past $L$.
-# - So the seed's advice (dynamic NTK "beyond 50% of the training length") does not hold for
-#   SmolLM2 as stated: below $L$ every scaling costs perplexity; scaling pays **past** $L$,
-#   and there YaRN and dynamic NTK pay well. One model, one text and factor 2: a claim about
-#   this record, not a law.
+# - Past $L_{\text{train}}$, plain RoPE breaks down: read the last line above, the perplexity of
+#   the unscaled model past $L_{\text{train}}$ against the second half of the trained range (a
+#   passage every variant finds easy). Dynamic NTK and YaRN keep it far lower past
+#   $L_{\text{train}}$ (the middle table's last column), for the small cost inside; linear, in this
+#   record, pays the most inside and gains nothing past $L_{\text{train}}$.
+# - So the advice this book set out to check (dynamic NTK "beyond 50% of the training
+#   length", one of the claims chapter 13 §9 lists) does not hold for SmolLM2 as stated: in
+#   the first half of $L_{\text{train}}$ every scaling costs perplexity, in the second half the
+#   cost depends on the scaling (linear even gains there); scaling pays **past**
+#   $L_{\text{train}}$, and there YaRN and dynamic NTK pay well. One model, one text and factor 2:
+#   a claim about this record, not a law.
 # - In an engine the frequencies are fixed per deployment (section 3): scale when requests
-#   are longer than $L$, and accept the in-range cost on the shorter ones. A long-context
-#   fine-tune after scaling (as in YaRN's paper) would close most of that gap.
+#   are longer than $L_{\text{train}}$, and accept the in-range cost on the shorter ones. A
+#   long-context fine-tune after scaling (as in YaRN's paper) would close most of that gap.
 #
 # ## 5. Sliding-window attention
 #
-# Mistral 7B (v0.1) lets query position $p$ attend to keys $p - W < j \le p$ only, with
-# $W = 4{,}096$: the **sliding window**. Each layer still sees only $W$ tokens back, but
-# information travels $W$ further per layer, so 32 layers reach about 131k tokens back.
-# What it buys an engine: attention per token costs $O(W)$, not $O(n)$, and keys older than
-# $W$ are never read again, so their blocks can be freed (end of this section).
+# Mistral 7B (v0.1) lets query position $p$ attend to keys $p - w < j \le p$ only, with
+# $w = 4{,}096$: the **sliding window**. Each layer still sees only $w$ tokens back, but
+# information travels $w$ further per layer, so 32 layers reach about 131k tokens back.
+# What it buys an engine: attention per token costs $O(w)$, not $O(n)$, and keys older than
+# $w$ are never read again, so their blocks can be freed (end of this section).
 #
 # The mask, drawn for 12 positions, window 4 (`sliding_window_mask`, your assignment below):
 
@@ -442,10 +448,10 @@ plt.show()
 # - `Attention(..., sliding_window=W)` calls its backend's `attend(..., window=W)`; layers
 #   without a window call it exactly as before;
 # - the torch backend runs `windowed_paged_attention`: each sequence gathers only the last
-#   $W + q - 1$ keys that some query of the step can see;
+#   $w + q - 1$ keys that some query of the step can see;
 # - the Triton prefill kernel takes a compile-time `HAS_WINDOW` switch: its key loop starts at
 #   the first tile inside the window and applies both masks; the decode kernel starts each
-#   sequence's key range at $n - W$ and divides that among its splits. With the switch off the
+#   sequence's key range at $n - w$ and divides that among its splits. With the switch off the
 #   compiled kernels are the ones of chapters 02 and 05.
 
 # %%
@@ -504,11 +510,11 @@ for chunk in (64, 16):
 #
 # ### Freeing the blocks behind the window
 #
-# A query at position $p$ never reads a key below $p - W + 1$, and later queries sit further
+# A query at position $p$ never reads a key below $p - w + 1$, and later queries sit further
 # right. So once a sequence's next query is at $c$ (its computed tokens: the next prompt
-# chunk's first token, or the next decode), its first $\lfloor (c - W + 1)/B \rfloor$ blocks
-# are dead weight. Exercise 3 keeps the last $W$ cached keys, one more than needed: the next
-# query's own key is not in the cache yet, so only $W - 1$ cached keys are still visible.
+# chunk's first token, or the next decode), its first $\lfloor (c - w + 1)/b \rfloor$ blocks
+# are dead weight. Exercise 3 keeps the last $w$ cached keys, one more than needed: the next
+# query's own key is not in the cache yet, so only $w - 1$ cached keys are still visible.
 # `SlidingWindowBlockManager` (`nanovllm/engine/sliding_window.py`) gives them back at the
 # start of every `schedule()`, before allocating, so they serve the step being scheduled:
 #
@@ -570,15 +576,15 @@ print(f"{'tokens computed':>16} {'blocks held: window manager':>28} {'chapter 04
 for i, tokens in enumerate(runs[True][0]):
     if tokens <= 200 or tokens % 10 == 0:  # every prefill chunk, then every 10th decode
         print(f"{tokens:>16} {runs[True][1][i]:>28} {runs[False][1][i]:>19}")
-print("peak:", max(runs[True][1]), "vs", max(runs[False][1]), "blocks; ceil(W / B) + 1 =",
+print("peak:", max(runs[True][1]), "vs", max(runs[False][1]), "blocks; ceil(w / b) + 1 =",
       math.ceil(12 / 16) + 1)
 
 # %%
 fig, ax = plt.subplots(figsize=(6.5, 3.4))
 for free, label, color in ((False, "chapter 04 manager", BOOK_COLORS[1]),
-                           (True, "window manager (W = 12)", BOOK_COLORS[0])):
+                           (True, "window manager (w = 12)", BOOK_COLORS[0])):
     ax.step(runs[free][0], runs[free][1], where="post", label=label, color=color)
-ax.set(xlabel="tokens computed", ylabel="KV blocks held (B = 16)",
+ax.set(xlabel="tokens computed", ylabel="KV blocks held (b = 16)",
        title="One Mistral sequence: blocks held after each step")
 ax.legend()
 save_figure(fig, "12_long_context_window_freeing")
@@ -586,8 +592,8 @@ plt.show()
 
 # %% [markdown]
 # During the prefill a step holds the window plus its 32-token chunk (the peak above); once
-# decoding, at most $\lceil W/B \rceil + 1$ blocks: the window and the block the next token
-# goes to (one block when both fit in it, as $W < B$ allows here). The plain manager grows one
+# decoding, at most $\lceil w/b \rceil + 1$ blocks: the window and the block the next token
+# goes to (one block when both fit in it, as $w < b$ allows here). The plain manager grows one
 # block per 16 tokens. What that buys is concurrency: the same KV budget fits many more long
 # Mistral sequences at once. `tests/test_sliding_window_engine.py` runs six at once where the
 # plain manager decodes fewer, with preemptions; it also checks chunked prefill, preemption,
@@ -865,7 +871,7 @@ print("Exercise 2 passed: ntk_base gives transformers' dynamic NTK frequencies")
 
 # %% [markdown]
 # **Exercise 3 — blocks behind the window.** A sequence holds `n` cached keys in blocks of
-# `block_size` (block $b$ holds keys $bB .. bB + B - 1$); with a window of `window`, only its
+# `block_size` (block $i$ holds keys $ib .. ib + b - 1$); with a window of `window`, only its
 # last `window` keys will ever be read again. Write `blocks_outside_window(n, window,
 # block_size)`: how many leading blocks hold **only** keys that are no longer needed (so
 # could be freed). The check compares with a key-by-key count.
@@ -912,8 +918,9 @@ analysis.ask("12")
 # %% [markdown]
 # ## Summary
 #
-# - Past its trained length $L$ a RoPE model meets rotation angles it never saw, on its slow
-#   channel pairs, those whose wavelength exceeds $L$ (section 1 counts them for SmolLM2).
+# - Past its trained length $L_{\text{train}}$ a RoPE model meets rotation angles it never saw, on
+#   its slow channel pairs, those whose wavelength exceeds $L_{\text{train}}$ (section 1 counts
+#   them for SmolLM2).
 # - **Scalings** slow those pairs by a factor $s$: linear (all pairs), llama3 and YaRN (slow
 #   pairs only, a blend between), dynamic NTK (a larger base, growing with the length). YaRN
 #   also multiplies cos/sin by $0.1\ln s + 1$; nanovllm folds that factor into its cos/sin
@@ -921,17 +928,19 @@ analysis.ask("12")
 #   `ROPE_INIT_FUNCTIONS`, read from `rope_scaling` or `rope_parameters`.
 # - **Dynamic NTK in an engine**: cached keys keep the rotation they were stored with, so
 #   frequencies that change with the length break the distance-only property of RoPE.
-#   nanovllm, like vLLM, uses the frequencies of the maximum served length ($sL$) for every
-#   sequence: consistent, equal to `transformers` at that length, different below it.
+#   nanovllm, like vLLM, uses the frequencies of the maximum served length ($s\,L_{\text{train}}$)
+#   for every sequence: consistent, equal to `transformers` at that length, different below it.
 # - **Perplexity by position** (section 4, the record's tables) measures what scaling costs
 #   inside the trained length and what it buys past it, on the shipped text. In the H200
-#   record (to $1.88L$) no scaling won everywhere inside $L$ (the middle table), and SmolLM2
-#   without scaling broke down past it, where YaRN and dynamic NTK kept the perplexity far lower and linear did not help.
+#   record (to $1.88\,L_{\text{train}}$) no scaling beat plain RoPE in both halves of
+#   $L_{\text{train}}$ (the middle table; linear won in the second half only), and SmolLM2 without
+#   scaling broke down past it, where YaRN and dynamic NTK kept the perplexity far lower and linear
+#   did not help.
 # - **Sliding windows** (Mistral) bound the keys each query reads; the window is an optional
 #   argument of the attention layer, the torch backend and both Triton kernels (compiled
 #   unchanged without it). The blocks the window has passed go back to the pool each step
 #   (their slots hold a never-written null block), so a long sequence holds about
-#   $\lceil W/B \rceil + 1$ blocks, not $\lceil n/B \rceil$.
+#   $\lceil w/b \rceil + 1$ blocks, not $\lceil n/b \rceil$.
 # - **Adding a model** is five steps: the config's differences, the layer that carries them,
 #   the weight names, a registry entry, and a parity test against `transformers` on a tiny
 #   random model. Qwen2 took one class attribute; Mistral's class is empty; Phi-3's splits

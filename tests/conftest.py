@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from pathlib import Path
@@ -55,6 +56,7 @@ def kv_leak_check():
 
     step = LLMEngine.step
 
+    @functools.wraps(step)  # inspect (and so show_source) sees the engine's own step
     def checked_step(self):
         outputs = step(self)
         try:

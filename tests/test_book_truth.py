@@ -426,24 +426,67 @@ def test_a_planted_typed_number_fails() -> None:
 
 # ---------------------------------------------------------------------------------- notation
 
-# book/notation.md gives each symbol one meaning; these are the ways chapters used to break it.
-NOTATION_BREAKS = {
-    r"\\theta_i": "the RoPE frequencies are ω_i; θ is the base",
-    r"\$L\$ layers|\bL layers": "layers are N_layers; L is a length",
-    r"key tiles of \$B\$|blocks? size \$B\$|\$B\$ tokens per block": "the block size is b",
-    r"\\text\{base\}": "the RoPE base is θ",
+# book/notation.md gives each symbol one meaning; these are the ways chapters used to break it,
+# for every chapter ("*") or for the chapter that did (its cells, code included: a printed
+# header or a figure label is notation too).
+NOTATION_BREAKS: dict[str, dict[str, str]] = {
+    "*": {
+        r"\\theta_i": "the RoPE frequencies are ω_i; θ is the base",
+        r"\$L\$ layers|\bL layers": "layers are N_layers; L is a length",
+        r"key tiles of \$B\$|blocks? size \$B\$|\$B\$ tokens per block": "the block size is b",
+        r"\\text\{base\}": "the RoPE base is θ",
+        r"[Ss]eed material|the seed's": "say what the claim is and where it comes from",
+    },
+    "02": {
+        r"tiles of \$B\$|s_1\.\.s_B\$": "key tiles hold B_N keys; B is the batch",
+        r"\$2P\$|\$P\$ weights": "P is chapter 02's attention probabilities",
+    },
+    "03": {
+        r"\$P\$ tokens|of \$P\$|\[P, hidden\]": "a prompt has n tokens; P is chapter 02's",
+        r"\$I\$ MLP|D\\,I\\,": "the MLP width is D_ff; I is arithmetic intensity",
+        r"\{'L':>|\bL = c\.num_layers|, L = [^\n]*num_layers": "layers are N_layers",
+        r"O\(N\^[23]\)|\$N\$ tokens": "N is the tensor-parallel ranks; n_out tokens",
+    },
+    "08": {
+        r"L ?H_\{kv\}": "layers are N_layers",
+        r"\\frac\{W\}\{B\}|\$W/B|\$W\$ the bytes": "the weights' bytes are M_w; W is a matrix",
+        r"\$2PB\$|\$P\$ weights": "a parameter count is N_params",
+    },
+    "11": {
+        r"\\min\(P,|\$P/B\$|I\\cdot B": "the roofline is min(π, Iβ): B is the batch size",
+    },
+    "12": {
+        r"\$L\$|\$sL\$|\d\.\d+L\$|past L\b|< L/2": "the trained length is L_train",
+        r"\$W\b|\bW/B|W < B|\(W = \d": "the sliding window is w; W is a weight matrix",
+        r"\(B = 16\)|/B\b|\bbB\b": "the block size is b",
+        r"\btheta = 1\.0 /": "the frequencies are omega; theta is the base",
+    },
 }
 
 
 def notation_problems(texts: list[tuple[str, str]]) -> list[str]:
-    return [f"{where}: {m.group(0)!r}: {why}" for where, text in texts
-            for pattern, why in NOTATION_BREAKS.items() for m in re.finditer(pattern, text)]
+    """``texts``: (chapter number, the text of its cells)."""
+    return [f"chapter {chapter}: {m.group(0)!r}: {why}" for chapter, text in texts
+            for scope in ("*", chapter) for pattern, why in NOTATION_BREAKS.get(scope, {}).items()
+            for m in re.finditer(pattern, text)]
+
+
+# Symbols that chapters use in formulas: notation.md must define each.
+DEFINED_SYMBOLS = [r"$B$", r"$b$", r"$L$", r"$n$", r"$N_{\text{layers}}$", r"$P$", r"$I$", r"$W$",
+                   r"$w$", r"$B_M$", r"$B_N$", r"$D_{\text{ff}}$", r"$N_{\text{params}}$", r"$M_w$",
+                   r"$L_{\text{train}}$", r"\omega_i", r"$\pi$", r"$\beta$", r"$e$"]
 
 
 def test_notation_is_used_with_its_meaning() -> None:
     notation = (ROOT / "book" / "notation.md").read_text()
-    assert r"\omega_i" in notation and r"N_{\text{layers}}" in notation
-    texts = [(p.name, "\n".join(cells(p, "markdown"))) for p in CHAPTERS]
-    problems = notation_problems(texts)
+    missing = [symbol for symbol in DEFINED_SYMBOLS if symbol not in notation]
+    assert not missing, f"book/notation.md does not define {missing}"
+    problems = notation_problems([(chapter_no(p), "\n".join(cells(p))) for p in CHAPTERS])
     assert not problems, "\n".join(problems)
-    assert notation_problems([("planted", r"frequencies $\theta_i$ over $L$ layers")])
+
+
+def test_a_planted_notation_break_fails() -> None:
+    planted = [("12", r"frequencies $\theta_i$ over $L$ layers, window $W$"),
+               ("03", "a prompt of $P$ tokens"), ("05", "a prompt of $P$ tokens")]
+    problems = notation_problems(planted)
+    assert len(problems) == 5, "\n".join(problems)  # θ_i, L layers, $L$ (ch12), $W, $P$ (ch03)

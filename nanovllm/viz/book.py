@@ -3,10 +3,12 @@
 jupyter-book (v1) builds from one folder, so this module copies into a staging folder what the
 book is made of: ``book/`` (config, table of contents, landing page, notation, glossary), the
 executed notebooks ``chapters/NN_*.ipynb`` with their committed outputs (the book never runs
-them), and writes into the landing page the two parts that must not be typed by hand: the chapter
-map (titles read from the notebooks) and the runtime table (read from the notebooks' execution
-metadata: nbclient records when each cell started and finished). GPU runtimes come from executed
-copies under ``figures/data/gpu_runs/NN_name.<device>.ipynb`` where a GPU run was recorded.
+them; the staged copies lose the ``# NBVAL_*`` lines that steer the notebook tests, which a
+reader has no use for), and writes into the landing page the two parts that must not be typed by
+hand: the chapter map (titles read from the notebooks) and the runtime table (read from the
+notebooks' execution metadata: nbclient records when each cell started and finished). GPU
+runtimes come from executed copies under ``figures/data/gpu_runs/NN_name.<device>.ipynb`` where
+a GPU run was recorded.
 
     python -m nanovllm.viz.book --stage build/book_src --build build/book [--root .]
 
@@ -26,6 +28,8 @@ from datetime import datetime
 from pathlib import Path
 
 MAP_MARK = "<!-- chapter-map -->"
+# A comment line that tells nbval how to compare a cell (`# NBVAL_CHECK_OUTPUT`, ...).
+NBVAL_LINE = re.compile(r"^[ \t]*#[ \t]*NBVAL_\w+[ \t]*(?:\n|$)", re.M)
 RUNTIME_MARK = "<!-- runtime-table -->"
 
 
@@ -71,6 +75,17 @@ def notebook_title(notebook: dict) -> str:
             if match:
                 return re.sub(r"^Chapter\s+\d+\s*[—:-]\s*", "", match.group(1)).strip()
     return ""
+
+
+def without_test_markers(notebook: dict) -> dict:
+    """``notebook`` with the ``# NBVAL_*`` lines taken out of its code cells (in place; the
+    outputs are untouched): the sources keep them for the tests, the rendered book drops them."""
+    for cell in notebook.get("cells", []):
+        if cell.get("cell_type") == "code":
+            source = cell["source"]
+            source = "".join(source) if isinstance(source, list) else source
+            cell["source"] = NBVAL_LINE.sub("", source)
+    return notebook
 
 
 def chapter_info(chapters: Path, gpu_runs: Path) -> list[ChapterInfo]:
@@ -133,7 +148,9 @@ def stage(out: Path, root: Path) -> list[ChapterInfo]:
     shutil.copytree(root / "book", out)
     (out / "chapters").mkdir()
     for path in chapter_notebooks(root / "chapters"):
-        shutil.copy2(path, out / "chapters" / path.name)
+        notebook = without_test_markers(json.loads(path.read_text()))
+        (out / "chapters" / path.name).write_text(json.dumps(notebook, indent=1,
+                                                             ensure_ascii=False) + "\n")
     infos = chapter_info(root / "chapters", root / "figures" / "data" / "gpu_runs")
     intro = out / "intro.md"
     text = intro.read_text()

@@ -34,8 +34,10 @@ class Headline:
 
     record: str
     field: str
-    unit: str
+    unit: str  # the unit ``current`` prints, after ``scale``
     command: str
+    scale: float = 1.0  # the record's value times this is in ``unit``
+    digits: int = 0  # decimals a chapter prints
 
 
 HEADLINES: dict[str, Headline] = {
@@ -44,17 +46,22 @@ HEADLINES: dict[str, Headline] = {
         "bench_h200.json", "nanovllm_tok_s", "tok/s",
         "python -m nanovllm.benchmarks.throughput --model qwen3-0.6b"),
     "h200_qwen3_0.6b_fraction_of_bound": Headline(
-        "bench_h200.json", "fraction_of_bound", "",
-        "python -m nanovllm.benchmarks.throughput --model qwen3-0.6b"),
+        "bench_h200.json", "fraction_of_bound", "%",
+        "python -m nanovllm.benchmarks.throughput --model qwen3-0.6b", scale=100),
+    # One decode step of Qwen3-0.6B at batch 1, context 1024, replayed from a CUDA graph with
+    # the fused kernels (chapter 07's record; chapters 08, 09 and 11 compare with it).
+    "h200_qwen3_0.6b_graph_decode_step_batch1": Headline(
+        "cuda_graphs_h200.json", "rows.0.graphs_ms", "ms",
+        "python -m nanovllm.bench --decode-step", digits=2),
     # A device-to-device copy, bytes read + written: the ceiling every memory-bound kernel and
     # every bandwidth bound in the book is measured against (chapters 02, 05, 07, 08, 11).
     "h200_copy_bytes_per_s": Headline(
-        "peaks_h200.json", "copy_bytes_per_s", "B/s",
-        "python -m nanovllm.benchmarks.peaks"),
+        "peaks_h200.json", "copy_bytes_per_s", "TB/s",
+        "python -m nanovllm.benchmarks.peaks", scale=1e-12, digits=2),
     # bf16 8192^3 torch.matmul: the compute roof (chapters 02, 05, 08, 11).
     "h200_bf16_matmul_flops": Headline(
-        "peaks_h200.json", "bf16_matmul_flops_per_s", "FLOP/s",
-        "python -m nanovllm.benchmarks.peaks"),
+        "peaks_h200.json", "bf16_matmul_flops_per_s", "TFLOP/s",
+        "python -m nanovllm.benchmarks.peaks", scale=1e-12),
 }
 
 # Quantities whose record has not been measured yet: the value the chapters quote until it is,
@@ -63,13 +70,25 @@ PENDING: dict[str, float] = {}
 
 
 def headline(name: str) -> float:
-    """The current value of a headline quantity (see ``HEADLINES``), read from its record; a
-    quantity in ``PENDING`` whose record is missing gives the pending value."""
+    """The current value of a headline quantity (see ``HEADLINES``) as its record holds it (not
+    scaled to ``unit``); a quantity in ``PENDING`` whose record is missing gives the pending
+    value."""
     spec = HEADLINES[name]
     path = records_dir() / spec.record
     if not path.exists() and name in PENDING:
         return PENDING[name]
     return field_value(load_record(spec.record), spec.field)
+
+
+def current(name: str) -> str:
+    """The current value of a headline quantity as a chapter prints it beside another
+    record's measurement of the same thing: value, unit, record and date."""
+    spec = HEADLINES[name]
+    value = headline(name) * spec.scale
+    date = str(load_record(spec.record).get("date", "undated"))[:10] if is_recorded(name) else (
+        "not recorded yet")
+    unit = spec.unit if spec.unit in ("", "%") else f" {spec.unit}"
+    return f"{value:,.{spec.digits}f}{unit} ({spec.record}, {date})"
 
 
 def is_recorded(name: str) -> bool:
