@@ -90,7 +90,7 @@ from IPython.display import Markdown, display
 
 import nanovllm
 from nanovllm import LLM, EngineConfig, SamplingParams, smollm2_path
-from nanovllm.viz import save_figure, use_book_style
+from nanovllm.viz import figure, use_book_style
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 print(f"python {platform.python_version()}, torch {torch.__version__}, "
@@ -274,7 +274,6 @@ for out in outputs[:2]:
 # a rename shows here.
 
 # %%
-from nanovllm.viz import figure
 from nanovllm.viz.diagrams import engine_step_diagram
 
 fig = engine_step_diagram()
@@ -575,11 +574,14 @@ threads = torch.get_num_threads()
 where = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {threads} thread{'s' * (threads > 1)}"
 ax.set_title(f"SmolLM2-135M ({llm.config.dtype}), {NEW_TOKENS} new tokens each, {where}")
 ax.legend()
-save_figure(fig, "00_tour_throughput")
-plt.show()
+figure(fig, "00_tour_throughput",
+       f"Output tokens per second against the number of concurrent requests B (SmolLM2-135M, {where}):"
+       " the fastest decode steps (solid), end to end with the prompt step (dashed), and B times"
+       " one request's rate (dotted). Look at how far batching lifts throughput above one request"
+       " at a time, and where the solid line bends away from the dotted ideal.")
 
 # %% [markdown]
-# The figure is the whole case for an inference engine in one picture. Look at the decode step
+# Figure 0.2 is the whole case for an inference engine in one picture. Look at the decode step
 # times in the table: one step for many sequences costs far less than that many steps for one
 # sequence, because with one sequence the hardware mostly waits for the weights to arrive, and each
 # extra sequence in the same step reuses weights that are already on their way. So throughput (the solid

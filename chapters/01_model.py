@@ -80,7 +80,7 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm import LLM, SamplingParams, smollm2_path
-from nanovllm.viz import BOOK_COLORS, save_figure, show_source, use_book_style
+from nanovllm.viz import BOOK_COLORS, figure, show_source, use_book_style
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 torch.manual_seed(0)
@@ -338,7 +338,7 @@ for m, n in [(5, 2), (105, 102), (1005, 1002), (7005, 7002), (5, 4), (1005, 1004
     print(f"query at {m:4d}, key at {n:4d} (distance {m - n}):  q.k = {score:+.9f}")
 
 # %% [markdown]
-# The figure below shows the rotation angles for SmolLM2 ($d$ = 64, so 32 pairs, and
+# Figure 1.1 shows the rotation angles for SmolLM2 ($d$ = 64, so 32 pairs, and
 # $\theta = 10^5$): (a) $\cos(m\omega_i)$ over the first 256 positions for every pair; (b) the
 # wavelength $2\pi/\omega_i$ of each pair, in tokens; (c) the score of a query with a key as a
 # function of their distance, for three different absolute query positions, computed with the
@@ -384,8 +384,12 @@ ax.set(xlabel="distance m - n (tokens)", ylabel="q . k  (q = k before rotation)"
        title="(c) score depends on distance only")
 ax.legend()
 fig.tight_layout()
-save_figure(fig, "01_model_rope")
-plt.show()
+figure(fig, "01_model_rope",
+       f"RoPE with SmolLM2's tables ({len(omega)} channel pairs, theta = {cfg.rope_theta:,.0f}): (a) the"
+       " rotation cos(m w_i) of each pair over the first 256 positions, (b) each pair's wavelength"
+       " against the context length, (c) the score of one vector with itself against their"
+       " distance, for three query positions. The three curves of (c) coincide: the score"
+       " depends on the distance only.")
 
 # %% [markdown]
 # Panel (c) also shows RoPE's gentle bias toward nearby tokens: with the same vector as query
@@ -985,7 +989,7 @@ print(f"(one standard error of a frequency at {draws:,} draws is at most {standa
 # %% [markdown]
 # ### 2.4 What each knob does to a real distribution
 #
-# The figure shows the next-token distribution after our prompt under six settings. Bars are
+# Figure 1.2 shows the next-token distribution after our prompt under six settings. Bars are
 # the 20 most likely tokens of the raw distribution, in the same order in every panel; a grey
 # cross marks a token that the setting removes. Each title gives how many of the 49,152
 # vocabulary entries survive.
@@ -1029,8 +1033,11 @@ for ax in axes[:, 0]:
 axes[0, 0].legend(loc="upper right", fontsize=8)
 fig.suptitle(f"Next token after {prompt!r} (SmolLM2-135M-Instruct); \u2423 = space", y=1.0)
 fig.tight_layout()
-save_figure(fig, "01_model_sampling")
-plt.show()
+figure(fig, "01_model_sampling",
+       f"The next-token distribution of SmolLM2-135M-Instruct after {prompt!r} under six sampling"
+       " settings: hollow bars are the raw probabilities of the 20 most likely tokens, filled bars"
+       " the probabilities after the setting, crosses the tokens it removes. Temperature reshapes"
+       " the distribution without removing anything; top-k, top-p and min-p cut it.")
 
 # %% [markdown]
 # Temperature rescales everything and removes nothing: at $T$ = 0.5 the leading token's share
@@ -1420,7 +1427,7 @@ print("order matters: bias then repetition penalty differs from the reverse:",
       not torch.isclose(bias_then_penalty, penalty_then_bias).item())
 
 # %% [markdown]
-# The figure shows what each rule of the first six rows does to the probabilities of the 12
+# Figure 1.3 shows what each rule of the first six rows does to the probabilities of the 12
 # most likely next tokens (bars in the same order in every panel; hollow bars are the
 # distribution without rules, a grey cross a banned token). Red labels mark tokens seen before,
 # which the repetition penalty targets.
@@ -1466,8 +1473,11 @@ fig.suptitle(f"Next token after {history_prompt!r} + generated {history_output!r
              f"(SmolLM2-135M-Instruct)\n\u2423cat generated {counts[' cat']} times, "
              f"\u2423dog only in the prompt; red: seen before; \u2423 = space", y=1.0)
 fig.tight_layout()
-save_figure(fig, "01_model_penalties")
-plt.show()
+figure(fig, "01_model_penalties",
+       f"The 12 most likely next tokens after {history_prompt!r} + generated {history_output!r}"
+       " (SmolLM2-135M-Instruct) under each logits rule, at temperature 1: hollow bars without the"
+       " rule, filled bars with it, crosses for banned tokens, red labels for tokens seen before."
+       " Compare \u2423cat (generated) with \u2423dog (only in the prompt) from panel to panel.")
 
 # %% [markdown]
 # Read the panels with the printed table above them. The repetition penalty hits both `␣cat` and

@@ -35,9 +35,9 @@
 #    that are fewer than keys because a prefix is already cached.
 #
 # Then we read the package's PyTorch versions and prove they agree with ours, count the
-# memory traffic that tiling saves (Figure 1), take apart the package's **Triton prefill
+# memory traffic that tiling saves (Figure 2.2), take apart the package's **Triton prefill
 # kernel** tile by tile and run it (on a CPU under the Triton interpreter), switch it on in
-# the engine, and finish with its recorded speed on an H200 (Figure 3).
+# the engine, and finish with its recorded speed on an H200 (Figure 2.4).
 #
 # **Package modules taught here:** `nanovllm/layers/torch_attention.py` (the PyTorch reference
 # backend: `causal_attention`, `paged_attention`), `nanovllm/layers/attention.py` (the layer
@@ -92,7 +92,7 @@ from nanovllm.configs import config_path
 from nanovllm.context import AttentionMetadata
 from nanovllm.layers import torch_attention
 from nanovllm.models import ModelConfig
-from nanovllm.viz import BOOK_COLORS, figures_dir, save_figure, show_source, use_book_style
+from nanovllm.viz import BOOK_COLORS, figure, figures_dir, show_source, use_book_style
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 torch.manual_seed(0)
@@ -410,7 +410,6 @@ for start in range(0, row + 1, tile):
 # {cite}`dao2022flashattention` made it the tiling of attention.
 
 # %%
-from nanovllm.viz import figure
 from nanovllm.viz.kernel_diagrams import online_softmax_diagram
 
 fig = online_softmax_diagram()
@@ -700,20 +699,22 @@ ax2.legend(title="query tile")
 for ax in (ax1, ax2):
     ax.set_xticks(lengths[::2], [f"{n:,d}" for n in lengths[::2]])
 fig.tight_layout()
-save_figure(fig, "02_attention_memory_traffic")
-plt.show()
+figure(fig, "02_attention_memory_traffic",
+       f"HBM traffic of one attention head for a causal prompt of L tokens (head_dim {d_model}, bf16),"
+       " from the formulas above: naive, tiled with 64-row query tiles, and the floor of reading"
+       " Q, K, V and writing O once (left); the ratio naive / tiled for three query-tile sizes"
+       " (right). Larger query tiles re-read K and V fewer times.")
 
 # %% [markdown]
-# **Figure 1.** Left: bytes that one attention head moves through GPU memory for a causal
-# prompt of $L$ tokens (SmolLM2's head_dim 64, bf16), computed with the formulas above. Both
-# curves become quadratic, but the naive one sits several times higher and, above all,
-# *stores* its $L\times L$ matrices: at $L = 8{,}192$ one head's score matrix alone is 128 MiB,
-# at 32,768 it is 2 GiB, per head, per layer in flight. Right: the ratio naive / tiled, which
-# levels off near $4B_M/d$: larger query tiles re-read K and V fewer times (with 16-row tiles
-# and head_dim 64 the re-reads cost as much traffic as the score matrix did, and what tiling
-# still saves is the storage). The dashed line is the floor (each of Q, K, V, O crosses HBM
-# once), which a tiled kernel approaches in practice because the re-reads of K and V mostly
-# come from the L2 cache.
+# Figure 2.2, left: bytes that one attention head moves through GPU memory for a causal prompt of
+# $L$ tokens (SmolLM2's head_dim 64, bf16), computed with the formulas above. Both curves become
+# quadratic, but the naive one sits several times higher and, above all, *stores* its $L\times L$
+# matrices: at $L = 8{,}192$ one head's score matrix alone is 128 MiB, at 32,768 it is 2 GiB, per
+# head, per layer in flight. Right: the ratio naive / tiled, which levels off near $4B_M/d$: larger
+# query tiles re-read K and V fewer times (with 16-row tiles and head_dim 64 the re-reads cost as
+# much traffic as the score matrix did, and what tiling still saves is the storage). The dashed line
+# is the floor (each of Q, K, V, O crosses HBM once), which a tiled kernel approaches in practice
+# because the re-reads of K and V mostly come from the L2 cache.
 #
 # ## 5. The Triton prefill kernel, tile by tile
 #
@@ -877,20 +878,22 @@ handles = [plt.matplotlib.patches.Patch(color=BOOK_COLORS[0], label="no mask"),
            plt.matplotlib.patches.Patch(facecolor="white", edgecolor="grey", label="skipped")]
 fig.legend(handles=handles, loc="lower center", ncol=3, bbox_to_anchor=(0.5, -0.04))
 fig.tight_layout(rect=(0, 0.06, 1, 1))
-save_figure(fig, "02_attention_tiles")
-plt.show()
+figure(fig, "02_attention_tiles",
+       "The (query tile, key tile) pairs the Triton prefill kernel visits with 16 x 16 tiles:"
+       " without a mask, with a mask (crossing the causal diagonal) or skipped, for a 128-token"
+       " prompt (left) and for 64 new tokens after a 64-token cached prefix (right).")
 for ql, kl in [(128, 128), (64, 128)]:
     counts = np.bincount(tile_classes(ql, kl, 16, 16).ravel(), minlength=3)
     print(f"{ql} queries over {kl} keys, 16 x 16 tiles: {counts[2]} unmasked, {counts[1]} masked, "
           f"{counts[0]} skipped of {counts.sum()}")
 
 # %% [markdown]
-# **Figure 2.** Which (query tile, key tile) pairs the kernel visits, 16 × 16 tiles. Each row
-# of tiles is one program (per head). For a plain prompt (left) the kernel visits the
-# lower triangle of tiles: 28 without a mask, 8 on the diagonal with one, and skips the other
-# 28, so causal attention costs a little over half of full attention. For a chunk after a
-# cached prefix (right) every query sees the whole prefix, so more tiles run unmasked, and the
-# diagonal is shifted right by the prefix, exactly as in the mask of section 2.6.
+# Figure 2.3 shows which (query tile, key tile) pairs the kernel visits, 16 × 16 tiles. Each row of
+# tiles is one program (per head). For a plain prompt (left) the kernel visits the lower triangle of
+# tiles: 28 without a mask, 8 on the diagonal with one, and skips the other 28, so causal attention
+# costs a little over half of full attention. For a chunk after a cached prefix (right) every query
+# sees the whole prefix, so more tiles run unmasked, and the diagonal is shifted right by the
+# prefix, exactly as in the mask of section 2.6.
 #
 # ### 5.2 Running the kernel
 #
@@ -1131,8 +1134,11 @@ fig.text(0.5, -0.02, "commands: " + " ; ".join(r["command"].split(" --out")[0]
                                                for r in recorded.values()),
          ha="center", fontsize=8, color="grey")
 fig.tight_layout()
-save_figure(fig, "02_attention_h200")
-plt.show()
+figure(fig, "02_attention_h200",
+       f"Recorded causal-prefill attention throughput on {first['device']} ({work['dtype']},"
+       f" {work['num_prompts']} prompts, no cached prefix) with Qwen3-0.6B's head shape (left) and"
+       " SmolLM2's (right): our Triton kernel reading K/V through block tables, with 256-token and"
+       " 16-token cache blocks, against PyTorch's varlen_attn reading the same K/V contiguously.")
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -1151,10 +1157,10 @@ for label, result in recorded.items():
           f"TFLOP/s bf16 matmul")
 
 # %% [markdown]
-# **Figure 3.** Recorded prefill attention throughput on an NVIDIA H200 (bf16, 256 prompts
-# of 100–1,024 tokens, no cached prefix), for our Triton kernel reading K/V through block tables
-# with cache blocks of 256 and 16 tokens, and for PyTorch's `varlen_attn` reading the same K/V
-# laid out contiguously. Date, versions and commands are printed above.
+# Figure 2.4 shows the recorded prefill attention throughput on an NVIDIA H200 (bf16, 256 prompts of
+# 100–1,024 tokens, no cached prefix), for our Triton kernel reading K/V through block tables with
+# cache blocks of 256 and 16 tokens, and for PyTorch's `varlen_attn` reading the same K/V laid out
+# contiguously. Date, versions and commands are printed above.
 #
 # With Qwen3-0.6B's shape our paged kernel reaches 234 TFLOP/s with 256-token blocks and 213
 # with 16-token blocks, against 165 for `varlen_attn`: 1.42× faster, despite the indirection
@@ -1400,14 +1406,14 @@ analysis.ask("02")
 #   batch, both agreeing with our versions and with the definition.
 # - Tiling is about memory: naive attention moves and stores $L\times L$ matrices, a tiled
 #   kernel keeps a query tile and its softmax state in registers and reads K and V once per
-#   query tile (Figure 1).
+#   query tile (Figure 2.2).
 # - The Triton kernel (`nanovllm/kernels/prefill_attention.py`) runs one program per
 #   (query tile, head, sequence): it loads its query tile once, walks the key tiles unmasked up
 #   to the diagonal, masked across it, and skips the rest, looking up each key tile's cache block
 #   in the block table, and keeps the softmax online in fp32 with `exp2`. It agrees with the
 #   definition under the Triton interpreter on a CPU, gives the engine the same tokens as the
 #   PyTorch backend, and on an H200 it outruns PyTorch's `varlen_attn` while reading a paged
-#   cache (Figure 3).
+#   cache (Figure 2.4).
 #
 # Next, chapter 03 looks at what attention reads during generation: the KV cache, what it
 # saves, what it costs per token, and why a contiguous cache per request wastes memory.

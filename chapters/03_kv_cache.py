@@ -69,7 +69,7 @@ import torch
 from nanovllm import LLM, SamplingParams, smollm2_path
 from nanovllm.context import attention_metadata
 from nanovllm.models import ModelConfig, get_model_class
-from nanovllm.viz import BOOK_COLORS, save_figure, show_source, use_book_style
+from nanovllm.viz import BOOK_COLORS, figure, show_source, use_book_style
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 if device == "cpu":
@@ -503,7 +503,7 @@ for i, length in enumerate(LENGTHS):
 # - The no-cache step and the prefill should take about the same time at each length: without
 #   a cache *every* step is a prefill.
 #
-# The figure puts the derived FLOPs (left) next to the measured times of one step (right):
+# Figure 3.1 puts the derived FLOPs (left) next to the measured times of one step (right):
 # the next token without a cache (a forward pass over all $n$ tokens), the next token with it
 # (one decode step), and, for comparison, the prefill step that fills the cache with $n$ tokens.
 
@@ -523,8 +523,11 @@ ax_time.plot(LENGTHS, np.array(measured["prefill"]) * 1e3, "x:", color=BOOK_COLO
 ax_time.set(xlabel="sequence length n (tokens)", ylabel="time of one step (ms)",
             title=f"Measured on {device}, fp32", ylim=(0, None))
 ax_time.legend()
-save_figure(fig, "03_kv_cache_cost")
-plt.show()
+figure(fig, "03_kv_cache_cost",
+       "The cost of the next token against the sequence length n, SmolLM2-135M: FLOPs derived from"
+       f" the model's shapes (left) and the measured time of one step on {device}, fp32 (right),"
+       " without a cache, with the KV cache, and for the prefill of n tokens. Without a cache"
+       " the cost grows with n; with it, it stays nearly flat.")
 
 # %% [markdown]
 # ## 3. What the cache costs: bytes per token
@@ -756,7 +759,7 @@ for name, w in waste.items():
 # fraction of that. Turned around: in a fixed budget, paging admits several times as many
 # requests at once, and batch size is throughput.
 #
-# The figure shows the two distributions against `max_model_len` (left), and the memory each
+# Figure 3.2 shows the two distributions against `max_model_len` (left), and the memory each
 # layout reserves for them with the share actually used written on each bar (right); the dotted
 # line is the 80 GiB of one large GPU.
 
@@ -788,8 +791,12 @@ ax_mem.set_xticks(x, list(waste))
 ax_mem.set(ylabel="KV cache (GiB)", title="Qwen3-0.6B, bf16, all requests at full length",
            ylim=(0, 165))
 ax_mem.legend(fontsize=9, ncol=2, loc="upper center")
-save_figure(fig, "03_kv_cache_waste")
-plt.show()
+figure(fig, "03_kv_cache_waste",
+       f"Left: the lengths (prompt + output) of the {len(workloads)} workloads' requests against"
+       f" max_model_len = {MAX_MODEL_LEN:,}, which a contiguous cache reserves for each. Right: the"
+       " KV memory of Qwen3-0.6B (bf16) that each layout reserves, faint, and the part used,"
+       f" solid, with all requests at full length; paging reserves whole blocks of {BLOCK_SIZE}"
+       " tokens, so almost all of what it reserves is used.")
 
 # %% [markdown]
 # Why not blocks of one token, with no fragmentation at all? Because every block costs a

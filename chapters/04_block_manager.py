@@ -84,7 +84,7 @@ from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.output_processor import RequestState
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 from nanovllm.engine.step import pack_step
-from nanovllm.viz import BOOK_COLORS, save_figure, show_source, use_book_style
+from nanovllm.viz import BOOK_COLORS, figure, show_source, use_book_style
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 use_book_style()
@@ -124,7 +124,6 @@ print("device:", device)
 # runner runs every step. This is the memory layout of PagedAttention {cite}`kwon2023paged`.
 
 # %%
-from nanovllm.viz import figure
 from nanovllm.viz.kernel_diagrams import block_table_diagram
 
 fig = block_table_diagram()
@@ -267,14 +266,14 @@ reports = engine.step()  # (which tokens come out depends on the device: not pri
 print("the step reported on:", [(r.request_id, len(r.new_token_ids)) for r in reports])
 
 # %% [markdown]
-# `seq_lens_k` counts the keys each request attends over: its whole history including the new
-# token. Now the picture. On the left, each request's logical blocks (16 token positions each)
-# with an arrow to the physical block its block table names; on the right, the 32 physical blocks
-# of the cache, each drawn as a 4 × 4 grid of slots, colored by the request that owns it. Dark
-# slots hold keys and values computed by the prefill; the black-ringed slot in each request's
-# last block is where the decode step writes its new token (the slot mapping). Grey blocks are
-# free but still remember the contents of a finished request (prefix caching, section 3); white
-# blocks are free and hold nothing worth keeping.
+# `seq_lens_k` counts the keys each request attends over: its whole history including the new token.
+# Now the picture, Figure 4.2. On the left, each request's logical blocks (16 token positions each)
+# with an arrow to the physical block its block table names; on the right, the 32 physical blocks of
+# the cache, each drawn as a 4 × 4 grid of slots, colored by the request that owns it. Dark slots
+# hold keys and values computed by the prefill; the black-ringed slot in each request's last block
+# is where the decode step writes its new token (the slot mapping). Grey blocks are free but still
+# remember the contents of a finished request (prefix caching, section 3); white blocks are free and
+# hold nothing worth keeping.
 
 # %%
 def draw_blocks(snapshot, num_blocks, bs, ncols=8):
@@ -341,8 +340,11 @@ def draw_blocks(snapshot, num_blocks, bs, ncols=8):
 
 
 fig = draw_blocks(snapshot, bm.num_blocks, BS)
-save_figure(fig, "04_block_manager_blocks")
-plt.show()
+figure(fig, "04_block_manager_blocks",
+       f"The engine's own KV cache (SmolLM2-135M, {bm.num_blocks} blocks of {BS} slots) with"
+       f" {len(snapshot['tables'])} requests running: left, each request's block table; right,"
+       " the physical blocks slot by slot, ringed where the next decode step writes. The tables"
+       " jump around the cache, and grey free blocks still hold a finished request's contents.")
 
 # %% [markdown]
 # Three things to notice. The requests' blocks are neither contiguous nor in order: request A's
@@ -1164,11 +1166,13 @@ ax2.set_title(f"KV cache in use ({BS} tokens per block)")
 ax2.legend(fontsize=9, loc="center right")
 fig.suptitle(f"{len(WORKLOAD)} requests sharing a system prompt, greedy, "
              f"{WORKLOAD_PARAMS.max_tokens} new tokens each", y=1.02)
-save_figure(fig, "04_block_manager_prefix_caching")
-plt.show()
+figure(fig, "04_block_manager_prefix_caching",
+       f"The same {len(WORKLOAD)} requests sharing a system prompt, with prefix caching off and"
+       " on: prompt tokens computed and taken from the cache (left), and KV blocks in use at each"
+       " engine step (right). With caching the shared blocks are computed and held once.")
 
 # %% [markdown]
-# Read the numbers above as follows. Without caching every request computes its whole prompt,
+# Read the numbers above and Figure 4.3 as follows. Without caching every request computes its whole prompt,
 # so the prefill work is the sum of the prompt lengths. With caching, the first request computes
 # the system prompt once; every later request, admitted in the same step, adopts its full blocks
 # (all but the block where the system prompt and the question meet, which differs from request

@@ -208,13 +208,24 @@ def test_figure_references_exist_and_sit_beside_their_figure(path: Path) -> None
     for cell in markdown_cells(source):
         for n in re.findall(r"Figure (\d+\.\d+)", cell):
             assert n.startswith(f"{chapter}.") and n in numbers.values(), (path.name, n)
-    # The markdown cell just before each figure(...) cell names that figure's number.
+    # The text beside each figure(...) cell names that figure's number: the nearest markdown
+    # cell before it (which introduces it) or after it (which reads it).
     cells = re.split(r"^# %%", source, flags=re.M)
     for i, cell in enumerate(cells):
-        labels = figures.figure_labels(cell)
-        for label in labels:
-            before = cells[i - 1]
-            assert f"Figure {numbers[label]}" in before, (path.name, label)
+        beside = [next((c for c in reversed(cells[:i]) if c.startswith(" [markdown]")), ""),
+                  next((c for c in cells[i + 1:] if c.startswith(" [markdown]")), "")]
+        for label in figures.figure_labels(cell):
+            assert any(f"Figure {numbers[label]}" in c for c in beside), (path.name, label)
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_every_figure_is_numbered_and_captioned(path: Path) -> None:
+    """A chapter shows its figures through figure(...), never save_figure(...) alone, so every
+    figure of the book has a number the text can name and a caption under it."""
+    source = path.read_text()
+    assert not re.search(r"\bsave_figure\(", source), path.name
+    shown = re.findall(r"^\s*figure\(", source, flags=re.M)
+    assert len(shown) == len(figures.figure_labels(source)), (path.name, "label not a literal")
 
 
 def test_every_citation_is_in_the_bibliography() -> None:
