@@ -575,7 +575,8 @@ where = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {threads} t
 ax.set_title(f"SmolLM2-135M ({llm.config.dtype}), {NEW_TOKENS} new tokens each, {where}")
 ax.legend()
 figure(fig, "00_tour_throughput",
-       f"Output tokens per second against the number of concurrent requests B (SmolLM2-135M, {where}):"
+       "Output tokens per second against the number of concurrent requests B"
+       f" (SmolLM2-135M, {where}):"
        " the fastest decode steps (solid), end to end with the prompt step (dashed), and B times"
        " one request's rate (dotted). Look at how far batching lifts throughput above one request"
        " at a time, and where the solid line bends away from the dotted ideal.")

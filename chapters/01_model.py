@@ -385,7 +385,8 @@ ax.set(xlabel="distance m - n (tokens)", ylabel="q . k  (q = k before rotation)"
 ax.legend()
 fig.tight_layout()
 figure(fig, "01_model_rope",
-       f"RoPE with SmolLM2's tables ({len(omega)} channel pairs, theta = {cfg.rope_theta:,.0f}): (a) the"
+       f"RoPE with SmolLM2's tables ({len(omega)} channel pairs, theta = {cfg.rope_theta:,.0f}):"
+       " (a) the"
        " rotation cos(m w_i) of each pair over the first 256 positions, (b) each pair's wavelength"
        " against the context length, (c) the score of one vector with itself against their"
        " distance, for three query positions. The three curves of (c) coincide: the score"

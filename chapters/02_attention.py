@@ -700,7 +700,8 @@ for ax in (ax1, ax2):
     ax.set_xticks(lengths[::2], [f"{n:,d}" for n in lengths[::2]])
 fig.tight_layout()
 figure(fig, "02_attention_memory_traffic",
-       f"HBM traffic of one attention head for a causal prompt of L tokens (head_dim {d_model}, bf16),"
+       "HBM traffic of one attention head for a causal prompt of L tokens"
+       f" (head_dim {d_model}, bf16),"
        " from the formulas above: naive, tiled with 64-row query tiles, and the floor of reading"
        " Q, K, V and writing O once (left); the ratio naive / tiled for three query-tile sizes"
        " (right). Larger query tiles re-read K and V fewer times.")

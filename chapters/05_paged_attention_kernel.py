@@ -81,7 +81,7 @@ import time
 import matplotlib.pyplot as plt
 from IPython.display import Markdown, display
 
-from nanovllm.viz import BOOK_COLORS, figures_dir, save_figure, show_source, use_book_style
+from nanovllm.viz import BOOK_COLORS, figure, figures_dir, show_source, use_book_style
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 use_book_style()
@@ -429,7 +429,6 @@ for batch in (1, 4, 16, 32, 33, 64, 256):
 # rule. The idea is flash-decoding {cite}`dao2023flashdecoding`.
 
 # %%
-from nanovllm.viz import figure
 from nanovllm.viz.kernel_diagrams import split_kv_diagram
 
 fig = split_kv_diagram()
@@ -736,7 +735,7 @@ print(f"block size 256 vs 16: times differ by at most {worst:.1%}")
 # * The flash-attention backend of SDPA is not built for one-query decode: in the largest case
 #   (batch 256, context 4096) it reaches 2.3 TB/s, about half the copy bandwidth.
 #
-# The figure shows the same data: on the left, time against bytes moved, with the roofline as
+# Figure 5.2 shows the same data: on the left, time against bytes moved, with the roofline as
 # a straight line; on the right, the fraction of the copy bandwidth against the batch size.
 
 # %%
@@ -767,8 +766,11 @@ ax_f.set_xticks([1, 16, 64, 256], labels=["1", "16", "64", "256"])
 fig.suptitle(f"Recorded on {record['device']}, {record['date'][:10]} (Qwen3-0.6B heads, bf16, "
              "block size 16)", fontsize=10)
 fig.tight_layout()
-save_figure(fig, "05_paged_attention_bandwidth")
-plt.show()
+figure(fig, "05_paged_attention_bandwidth",
+       f"Recorded decode attention on {record['device']} (Qwen3-0.6B heads, bf16, 16-token"
+       " blocks): our paged kernel against cuDNN's and flash SDPA reading the same bytes"
+       " contiguously. Left: time per call against bytes moved, with the copy-bandwidth roofline;"
+       " right: the fraction of the copy bandwidth reached against the batch size.")
 
 # %% [markdown]
 # ### 8.1 A live measurement (GPU only)

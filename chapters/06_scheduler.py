@@ -98,7 +98,7 @@ from nanovllm.engine.policies import FairPolicy, MixedPolicy, PriorityPolicy
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.scheduler_output import ModelRunnerOutput
 from nanovllm.engine.sequence import Sequence
-from nanovllm.viz import save_figure, show_source, use_book_style
+from nanovllm.viz import figure, show_source, use_book_style
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 saved_threads = torch.get_num_threads()
@@ -430,19 +430,21 @@ axes[1].set_xlabel("time since the first step (s)")
 handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in (COLORS[1], COLORS[0], "0.8")]
 axes[1].legend(handles, ["prefill", "decode", "waiting"], loc="upper right")
 fig.tight_layout()
-save_figure(fig, "06_scheduler_gantt")
-plt.show()
+figure(fig, "06_scheduler_gantt",
+       f"{len(LENGTHS)} requests wanting {LENGTHS} new tokens, {SLOTS} slots, timed on {device}:"
+       " static batching in groups (top) and continuous batching (bottom), one row per request:"
+       " waiting (grey), prefill (orange) and decode steps (blue). Continuous batching gives a"
+       " freed slot to a waiting request in the next step.")
 
 # %% [markdown]
-# Read the top chart row by row: request 0 is done after three tokens, but its slot stays empty
-# until request 1 finishes its fourteenth; requests 4–7 wait (grey) for the whole first group.
-# In the bottom chart request 4 takes request 0's slot in the step after it leaves, request 5
+# Read the top chart of Figure 6.1 row by row: request 0 is done after three tokens, but its slot
+# stays empty until request 1 finishes its fourteenth; requests 4–7 wait (grey) for the whole first
+# group. In the bottom chart request 4 takes request 0's slot in the step after it leaves, request 5
 # takes request 2's, request 6 request 4's, and so on (compare the spans printed in §1): a slot
-# never idles while someone waits. The orange prefill bars are wider than
-# the decode bars because a step that computes prompts does more work; in the continuous run
-# some steps mix a prefill with the decodes of the others, which is why those steps are longer
-# too. Notice what did *not* change: the per-step cost of a batch of four. All of the gain is
-# fewer steps.
+# never idles while someone waits. The orange prefill bars are wider than the decode bars because a
+# step that computes prompts does more work; in the continuous run some steps mix a prefill with the
+# decodes of the others, which is why those steps are longer too. Notice what did *not* change: the
+# per-step cost of a batch of four. All of the gain is fewer steps.
 
 # %% [markdown]
 # ## 3. Continuous against static batching, with many requests
@@ -534,27 +536,29 @@ ax_t.set(xticks=x, xticklabels=[str(c) for c in COUNTS], xlabel="requests C",
 ax_t.legend(fontsize=8)
 fig.suptitle(f"SmolLM2-135M fp32, {BATCH_SLOTS} slots, outputs of 1-32 tokens", fontsize=10)
 fig.tight_layout()
-save_figure(fig, "06_scheduler_concurrency")
-plt.show()
+figure(fig, "06_scheduler_concurrency",
+       f"Static against continuous batching for C requests of 1-32 output tokens (SmolLM2-135M"
+       f" fp32, {BATCH_SLOTS} slots): engine steps (left, the same on every device) and the"
+       f" measured throughput of continuous over static batching on {device} (right), against"
+       " the 3-5x band often quoted.")
 
 # %% [markdown]
-# Continuous batching wins by removing idle slot-steps: a static group lasts as long as its
-# longest answer, and its other slots idle meanwhile. With C = 8 there is one group and nothing
-# to refill, so the two schedules are the same. With more requests the gain grows, but it is
-# capped by the *spread* of output lengths, not by the number of requests: no schedule needs
-# fewer steps than the total tokens divided by the slots, nor fewer than the longest answer, and
-# the "at best" ratio printed above stays far below 3 for answers of 1 to 32 tokens. With all
-# answers of one length there is nothing to gain at all. In wall time the gain differs from the
-# step ratio, because steps differ in cost (a half-empty step is cheaper than a full one, and
-# each static group starts with a prefill step of its own); the table shows by how much on this
-# machine. On a GPU the wall-time "gain" of continuous batching here is below 1 (the H200 run
-# of this chapter, `figures/data/gpu_runs/06_scheduler.h200.ipynb`): each refill puts a prompt
-# into a step, and such a step runs eagerly while a decode-only step replays a CUDA graph, as
-# section 2 showed. What the step counts measure, the scheduling, does not depend on that.
-# Larger published gains (Anyscale's 2023 blog post reported up to 23× for vLLM against static
-# batching in Hugging Face's pipelines) come from wider length spreads and from other
-# differences between the engines compared. Quote such claims with their workload, or better:
-# measure them, as here.
+# Figure 6.2 sums it up. Continuous batching wins by removing idle slot-steps: a static group lasts
+# as long as its longest answer, and its other slots idle meanwhile. With C = 8 there is one group
+# and nothing to refill, so the two schedules are the same. With more requests the gain grows, but
+# it is capped by the *spread* of output lengths, not by the number of requests: no schedule needs
+# fewer steps than the total tokens divided by the slots, nor fewer than the longest answer, and the
+# "at best" ratio printed above stays far below 3 for answers of 1 to 32 tokens. With all answers of
+# one length there is nothing to gain at all. In wall time the gain differs from the step ratio,
+# because steps differ in cost (a half-empty step is cheaper than a full one, and each static group
+# starts with a prefill step of its own); the table shows by how much on this machine. On a GPU the
+# wall-time "gain" of continuous batching here is below 1 (the H200 run of this chapter,
+# `figures/data/gpu_runs/06_scheduler.h200.ipynb`): each refill puts a prompt into a step, and such
+# a step runs eagerly while a decode-only step replays a CUDA graph, as section 2 showed. What the
+# step counts measure, the scheduling, does not depend on that. Larger published gains (Anyscale's
+# 2023 blog post reported up to 23× for vLLM against static batching in Hugging Face's pipelines)
+# come from wider length spreads and from other differences between the engines compared. Quote such
+# claims with their workload, or better: measure them, as here.
 
 # %% [markdown]
 # ## 4. Chunked prefill: long prompts without head-of-line blocking
@@ -660,19 +664,22 @@ ax2.set_xticks(range(3), ["chat", "long", "short,\nbehind long"])
 ax2.set_ylabel("mean time to first token (s)")
 ax2.legend(loc="upper left")
 fig.tight_layout()
-save_figure(fig, "06_scheduler_chunked_prefill")
-plt.show()
+figure(fig, "06_scheduler_chunked_prefill",
+       f"Chunked prefill off and on, with a 128-token step budget (dotted): {len(CHAT)} chats"
+       f" decoding, one long prompt and {len(SHORT)} short prompts queued behind it. Left: the"
+       " decode and prefill tokens of each engine step (pale: chunking off); right: each group's"
+       f" mean time to first token on {device}.")
 
 # %% [markdown]
-# The left panel shows the stall: without chunking (pale bars) every step after the first
-# computes only the six decodes, far below the budget line, while the long prompt and the
-# questions behind it wait; the budget is used only when the long prompt finally goes, in one
-# big step. With chunking, the first two steps are full, the third finishes the short prompts,
-# and everything after is ordinary decoding. The right panel is what users feel. Chunking is not
-# free for everyone: the chat requests' first step now also computes a piece of the long prompt
-# (128 tokens instead of 96, see the first steps printed above), which can cost them a little;
-# compare the chat figures printed above. Production engines accept that trade; vLLM turns
-# chunked prefill on by default.
+# The left panel of Figure 6.3 shows the stall: without chunking (pale bars) every step after the
+# first computes only the six decodes, far below the budget line, while the long prompt and the
+# questions behind it wait; the budget is used only when the long prompt finally goes, in one big
+# step. With chunking, the first two steps are full, the third finishes the short prompts, and
+# everything after is ordinary decoding. The right panel is what users feel. Chunking is not free
+# for everyone: the chat requests' first step now also computes a piece of the long prompt (128
+# tokens instead of 96, see the first steps printed above), which can cost them a little; compare
+# the chat figures printed above. Production engines accept that trade; vLLM turns chunked prefill
+# on by default.
 #
 # A limit worth knowing: chunking lets a long prompt *start* early, but it does not let later
 # arrivals *overtake* it. Once admitted, a prompt being computed in chunks is a running sequence,
@@ -786,13 +793,15 @@ ax.set_xlabel("engine step")
 ax.set_ylabel("KV blocks in use (%)")
 ax.set_title("KV usage per step (dotted: running sequences, 8 = 100%)", loc="left", fontsize=11)
 ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncols=3)
-save_figure(fig, "06_scheduler_preemption")
-plt.show()
+figure(fig, "06_scheduler_preemption",
+       "KV-cache usage per engine step for one workload run with"
+       f" {' and '.join(map(str, runs_kv))} KV blocks; triangles mark steps that preempted a sequence, dotted lines count the running"
+       " sequences. With the small cache the scheduler preempts and recomputes instead of failing.")
 
 # %% [markdown]
-# With 128 blocks (blue) usage creeps up as the eight answers grow and never comes close to
-# full. With 12 blocks (orange) the cache is full almost all the time: each triangle is a step
-# in which a sequence lost its blocks, and the dotted line shows the running set shrinking and
+# In Figure 6.4, with 128 blocks (blue) usage creeps up as the eight answers grow and never comes
+# close to full. With 12 blocks (orange) the cache is full almost all the time: each triangle is a
+# step in which a sequence lost its blocks, and the dotted line shows the running set shrinking and
 # refilling. The engine never stalls and never fails; it trades compute for memory.
 #
 # The deep dip deserves a look (the event where the running set falls to zero, printed above).
@@ -961,16 +970,18 @@ axes[0].legend(loc="upper right")
 fig.suptitle("One workload, four policies: 6 batch + 6 interactive requests, 4 slots", x=0.02,
              ha="left", fontsize=12)
 fig.tight_layout()
-save_figure(fig, "06_scheduler_policies")
-plt.show()
+figure(fig, "06_scheduler_policies",
+       f"Mean time to first token (left) and end-to-end latency (right) of the batch requests"
+       f" (user A) and the interactive ones (user B) under the {len(names)} scheduling policies,"
+       f" one workload on {device}. A policy moves waiting time from one class to the other.")
 
 # %% [markdown]
-# Under `fcfs` the interactive class waits longest of all four policies although its requests
-# are the cheapest; `priority` and `mixed` give it the shortest waits, at the batch job's
-# expense; `fair` sits in between, because its rule is about users rather than classes. (The
-# table in steps above gives the exact figures; the chart shows the same in seconds.) No policy
-# is best for everyone: the total work is the same, and a policy only moves waiting time from
-# one group of requests to another. Choosing a policy is choosing whose time matters more.
+# In Figure 6.5, under `fcfs` the interactive class waits longest of all four policies although its
+# requests are the cheapest; `priority` and `mixed` give it the shortest waits, at the batch job's
+# expense; `fair` sits in between, because its rule is about users rather than classes. (The table
+# in steps above gives the exact figures; the chart shows the same in seconds.) No policy is best
+# for everyone: the total work is the same, and a policy only moves waiting time from one group of
+# requests to another. Choosing a policy is choosing whose time matters more.
 
 # %% [markdown]
 # ## 7. Writing your own policy

@@ -71,7 +71,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.configs import config_path
-from nanovllm.viz import BOOK_COLORS, figures_dir, save_figure, show_source, use_book_style
+from nanovllm.viz import BOOK_COLORS, figure, figures_dir, show_source, use_book_style
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 use_book_style()
@@ -450,13 +450,13 @@ for name, bs in (("package buckets", buckets), ("powers of two", powers)):
           f"worst {worst:3d} empty rows")
 
 # %% [markdown]
-# Powers of two need only 9 graphs but waste a quarter of the rows on average, and a batch of
-# 129 runs as 256. Steps of 16 keep the waste to at most 15 rows for 20 graphs. How much does
-# an empty row actually cost? In a decode step, little: the weights are read once per step
-# whatever the batch, and a padding row attends to nothing (its length is 0) and stores nothing
-# (its slot is −1). Its cost is its share of the matrix arithmetic, which for a memory-bound
-# decode step is close to free. Padding matters more for the memory each graph's activations
-# hold, which is why the graphs share one memory pool (see below).
+# Powers of two need only 9 graphs but waste a quarter of the rows on average, and a batch of 129
+# runs as 256. Steps of 16 keep the waste to at most 15 rows for 20 graphs. How much does an empty
+# row actually cost? In a decode step, little: the weights are read once per step whatever the
+# batch, and a padding row attends to nothing (its length is 0) and stores nothing (its slot is −1).
+# Its cost is its share of the matrix arithmetic, which for a memory-bound decode step is close to
+# free. Padding matters more for the memory each graph's activations hold, which is why the graphs
+# share one memory pool (see below). Figure 7.1 compares the two schemes at every batch size.
 
 # %%
 ns = list(range(1, 257))
@@ -468,8 +468,10 @@ for name, bs, color in (("package buckets (20 graphs)", buckets, BOOK_COLORS[0])
 ax.set(xlabel="decode batch (sequences)", ylabel="fraction of padded rows",
        title="Padding waste of the CUDA-graph buckets")
 ax.legend()
-save_figure(fig, "07_cuda_graphs_padding")
-plt.show()
+figure(fig, "07_cuda_graphs_padding",
+       f"The fraction of a decode batch's rows that are padding, for batches of 1 to {ns[-1]}"
+       f" sequences, with the package's {len(buckets)} buckets and with {len(powers)} powers of"
+       " two: a batch runs padded up to the smallest bucket that holds it.")
 
 # %% [markdown]
 # Now the class that owns the graphs, `DecodeGraphs`. Its constructor allocates the **static
@@ -517,12 +519,11 @@ for name, n in static_bytes.items():
 print(f"{'total':44s} {sum(static_bytes.values()) / 2**20:8.2f} MiB")
 
 # %% [markdown]
-# Figure 7.1 draws both halves for the engine's defaults: at start-up one graph per bucket of
+# Figure 7.2 draws both halves for the engine's defaults: at start-up one graph per bucket of
 # `batch_buckets(max_num_seqs)`, and at every decode step a batch padded up to the smallest bucket
 # that holds it, the padded rows writing nowhere and attending to nothing.
 
 # %%
-from nanovllm.viz import figure
 from nanovllm.viz.kernel_diagrams import cuda_graph_diagram
 
 fig = cuda_graph_diagram()
@@ -741,7 +742,7 @@ print(f"extra host time of split-KV decode_attention at batch 1 vs 64, over {cfg
 # scheduling** it hides the host work behind the GPU's, the CPU preparing step *n*+1 while the
 # GPU computes step *n*.
 #
-# The figure shows these effects: on the left the step times, eager and with graphs, with and
+# Figure 7.3 shows these effects: on the left the step times, eager and with graphs, with and
 # without fusion; in the middle the graph step alone, against the GPU lower bound; on the right
 # the speedup of graphs.
 
@@ -792,8 +793,11 @@ ax_sp.legend(fontsize=8)
 fig.suptitle(f"Recorded on {graphs_record['device']}, {graphs_record['date']} "
              f"({graphs_record['command']})", fontsize=10)
 fig.tight_layout()
-save_figure(fig, "07_cuda_graphs_speedup")
-plt.show()
+figure(fig, "07_cuda_graphs_speedup",
+       f"Recorded decode steps of Qwen3-0.6B (context 1024) on {graphs_record['device']}: the"
+       " step time eager and replayed from CUDA graphs, with and without fused kernels (left);"
+       " the graph step against the GPU-work lower bound (middle); the speedup of graphs over"
+       " eager (right), which shrinks as the batch's GPU work grows.")
 
 # %% [markdown]
 # ### 4.1 Your own measurement (GPU only)
