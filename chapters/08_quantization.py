@@ -95,7 +95,7 @@ from nanovllm.layers.embed_head import VocabParallelEmbedding
 from nanovllm.layers.linear import LinearBase
 from nanovllm.layers.quantization import process_weights_after_loading
 from nanovllm.models import ModelConfig, get_model_class
-from nanovllm.viz import BOOK_COLORS, figures_dir, save_figure, show_source, use_book_style
+from nanovllm.viz import BOOK_COLORS, figure, figures_dir, show_source, use_book_style
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 if device == "cpu":
@@ -215,15 +215,14 @@ for b in (1, 16, 64, 128, 256):
     print(f"{b:5d} {t16:8.2f} {t8:8.2f} {t16 / t8:11.2f}x")
 
 # %% [markdown]
-# At batch 1 the step is bound by weight bytes, and int8 weights bound it about 1.85× lower
-# (not 2×: the LM head stays bf16). The advantage holds while the batch is small: a decode
-# matmul does $2B$ FLOPs per weight, so its arithmetic intensity is $B$ FLOP/byte in bf16 and
-# $2B$ with one-byte weights, and past the ridge the step is bound by arithmetic. A W8A16
-# layer still multiplies in bf16 (it widens the int8 codes to bf16 in registers), so past the
-# ridge it gains nothing, and its extra work of widening can make it slower. fp8 W8A8
-# (section 5) multiplies fp8 by fp8 on the tensor cores, which Hopper's datasheet rates at
-# twice bf16: its compute roof is higher too. The figure draws the two bounds (the chapter 11
-# roofline, turned into time):
+# At batch 1 the step is bound by weight bytes, and int8 weights bound it about 1.85× lower (not 2×:
+# the LM head stays bf16). The advantage holds while the batch is small: a decode matmul does $2B$
+# FLOPs per weight, so its arithmetic intensity is $B$ FLOP/byte in bf16 and $2B$ with one-byte
+# weights, and past the ridge the step is bound by arithmetic. A W8A16 layer still multiplies in
+# bf16 (it widens the int8 codes to bf16 in registers), so past the ridge it gains nothing, and its
+# extra work of widening can make it slower. fp8 W8A8 (section 5) multiplies fp8 by fp8 on the
+# tensor cores, which Hopper's datasheet rates at twice bf16: its compute roof is higher too.
+# Figure 8.1 draws the two bounds (the chapter 11 roofline, turned into time):
 
 # %%
 batches = np.unique(np.logspace(0, np.log10(512), 60).astype(int))
@@ -246,8 +245,11 @@ ax_r.set(xscale="log", xlabel="decode batch B (sequences)", ylabel="bf16 bound /
 fig.suptitle(f"Model: max(bytes / {bandwidth / 1e12:.2f} TB/s, FLOPs / "
              f"{H200_BF16_FLOPS / 1e12:.0f} TFLOP/s), H200 numbers as recorded", fontsize=10)
 fig.tight_layout()
-save_figure(fig, "08_quantization_bound")
-plt.show()
+figure(fig, "08_quantization_bound",
+       "The bound on a Qwen3-8B decode step's matmul time on an H200, the larger of bytes over"
+       f" the recorded {bandwidth / 1e12:.2f} TB/s and FLOPs over the recorded bf16 matmul rate,"
+       " for bf16 and int8 weights (left), and the ratio of the two bounds (right): int8 weights"
+       " can only pay below the ridge, where the step is bound by bytes.")
 
 # %% [markdown]
 # The KV term does not depend on the batch: each sequence reads its own cache. Per generated
@@ -381,11 +383,14 @@ ax.set_xticks(range(len(labels)), labels=labels)
 ax.set(ylabel="weight SQNR (dB, higher is better)",
        title=f"SmolLM2, {len(weights)} linear weights: error by scale granularity")
 ax.legend()
-save_figure(fig, "08_quantization_weight_error")
-plt.show()
+figure(fig, "08_quantization_weight_error",
+       f"The signal-to-quantization-noise ratio of SmolLM2's {len(weights)} linear weight matrices"
+       " (one dot each) quantized to int8 and int4 with one scale per tensor, per output channel,"
+       " or per group of 64 or 32 weights. Compare the two widths, and per tensor against the"
+       " finer scales.")
 
 # %% [markdown]
-# Three facts to read off:
+# Three facts to read off Figure 8.2:
 #
 # * **About 6 dB per bit.** Each bit halves the step, which divides the noise power by four:
 #   int8 is about 24 dB above int4 at every granularity.
@@ -682,9 +687,9 @@ for name, dtype in formats.items():
           f"2^-{-math.log2(info.eps) + 1:.0f} to 2^-{-math.log2(info.eps):.0f}")
 
 # %% [markdown]
-# The figure puts every positive value on a log scale, and the gap from each value to the next
-# one relative to the value, which is what rounding error is for a floating-point format. int8
-# codes (times any scale) are drawn for comparison.
+# Figure 8.3 puts every positive value on a log scale, and the gap from each value to the next one
+# relative to the value, which is what rounding error is for a floating-point format. int8 codes
+# (times any scale) are drawn for comparison.
 
 # %%
 def positive_values(dtype: torch.dtype) -> torch.Tensor:
@@ -712,8 +717,11 @@ ax_g.set(xlabel="value", ylabel="gap to the next value / value",
          title="Relative spacing: the rounding step")
 ax_g.legend()
 fig.tight_layout()
-save_figure(fig, "08_quantization_fp8_formats")
-plt.show()
+figure(fig, "08_quantization_fp8_formats",
+       "Every positive value of the fp8 formats e4m3 and e5m2, and the int8 codes at scale 1, on"
+       " a log2 axis (left), and the gap from each value to the next relative to the value, the"
+       " rounding step (right): nearly constant over fp8's normal range, shrinking with the code"
+       " for int8.")
 
 # %% [markdown]
 # In the normal range the relative step of e4m3 is between $2^{-4}$ and $2^{-3}$, whatever the
@@ -821,19 +829,20 @@ for (kind, per_token), per_row in act_variants.items():
 ax.set(xlabel="token position t", ylabel="SQNR of the token's row (dB)",
        title="SmolLM2 layer 29 down_proj input: quantizing activations with an outlier token")
 ax.legend(fontsize=8, ncol=2)
-save_figure(fig, "08_quantization_activation_outliers")
-plt.show()
+figure(fig, "08_quantization_activation_outliers",
+       "The SQNR of each token's row of the input of SmolLM2's layer-29 down_proj, quantized to"
+       " int8 or e4m3 with one scale for the whole activation (dashed) or one per token (solid)."
+       " Look at the int8 per-tensor line: one outlier token sets the step for all the others.")
 
 # %% [markdown]
-# With one int8 scale for the whole activation, the first token's outlier sets a step so
-# coarse that every other token keeps only a few levels: their SQNR falls by about 18 dB, and
-# the layer's output by about 11 dB. A scale per token rescues them: each token's own largest
-# value sets its step. e4m3 is flat at 30–34 dB for every token, with one scale per tensor
-# almost as well as with one per token: a floating-point format absorbs the factor of ten
-# between the first token and the others by itself (the scale only has to keep the largest
-# value below 448), and its 3-bit mantissa, not the range, sets the error. Per-token scales
-# still cost next to nothing and protect against ranges wider than e4m3's, so the package uses
-# them.
+# In Figure 8.4, with one int8 scale for the whole activation, the first token's outlier sets a step
+# so coarse that every other token keeps only a few levels: their SQNR falls by about 18 dB, and the
+# layer's output by about 11 dB. A scale per token rescues them: each token's own largest value sets
+# its step. e4m3 is flat at 30–34 dB for every token, with one scale per tensor almost as well as
+# with one per token: a floating-point format absorbs the factor of ten between the first token and
+# the others by itself (the scale only has to keep the largest value below 448), and its 3-bit
+# mantissa, not the range, sets the error. Per-token scales still cost next to nothing and protect
+# against ranges wider than e4m3's, so the package uses them.
 #
 # But even the best W8A8 variants lose 9 to 11 dB at the layer's output against W8A16, which
 # keeps the activations exact: quantizing activations is the price of running the multiply itself
@@ -1140,7 +1149,7 @@ else:
     print(format_table(eval_record["rows"]))
 
 # %% [markdown]
-# The figure: memory on the left (weight bytes and KV-cache blocks, relative to bf16), the
+# Figure 8.5: memory on the left (weight bytes and KV-cache blocks, relative to bf16), the
 # decode step's speed-up over bf16 in the middle, and the workload's throughput on the right,
 # for each shape.
 
@@ -1196,8 +1205,10 @@ def plot_quant_record(rec: dict) -> None:
     ax_b.legend(fontsize=8)
     fig.suptitle(f"Recorded on {recorded_on(rec)}: {rec.get('command', '')}", fontsize=10)
     fig.tight_layout()
-    save_figure(fig, "08_quantization_h200")
-    plt.show()
+    figure(fig, "08_quantization_h200",
+           f"Recorded on {recorded_on(rec)}, for each model shape and variant: weight bytes and"
+           " KV-cache blocks relative to bf16 (left), the decode step's speed-up over bf16 at each"
+           " batch (middle) and the benchmark workload's throughput (right).")
 
 
 if quant_record is None:

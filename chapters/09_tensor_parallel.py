@@ -91,7 +91,7 @@ from nanovllm.layers.linear import (
     RowParallelLinear,
 )
 from nanovllm.models import ModelConfig, get_model_class
-from nanovllm.viz import BOOK_COLORS, figures_dir, save_figure, show_source, use_book_style
+from nanovllm.viz import BOOK_COLORS, figure, figures_dir, show_source, use_book_style
 from nanovllm.viz.records import current, headline
 
 torch.set_num_threads(1)
@@ -432,7 +432,6 @@ same("ParallelLMHead, 3 slices concatenated", gathered, hidden @ table.T)
 # split of a transformer layer {cite}`shoeybi2019megatron`.
 
 # %%
-from nanovllm.viz import figure
 from nanovllm.viz.kernel_diagrams import tp_diagram
 
 fig = tp_diagram()
@@ -626,15 +625,17 @@ axes[0].set(ylabel="plan latency, rank 0 -> worker (µs, median)")
 axes[0].legend(fontsize=9)
 fig.suptitle("The control message of one step, two ways", fontsize=11)
 fig.tight_layout()
-save_figure(fig, "09_tensor_parallel_control_plane")
-plt.show()
+figure(fig, "09_tensor_parallel_control_plane",
+       "The median latency of one step's plan from rank 0 to the worker, sent by a gloo broadcast"
+       " or through the shared-memory ring, for decode plans at three batch sizes and a prefill"
+       " plan: live on this CPU (left) and recorded on the host of the H200 machine (right).")
 
 # %% [markdown]
-# On this CPU a gloo message costs hundreds of microseconds or more whatever its size (the
-# numbers depend on the machine and its load), and the tiny model's steps are almost
-# nothing but messages. The messages do not account for all of section 6's extra time
-# either: the rest is the two processes taking turns on two shared cores, each waking up
-# the other through the kernel at every collective.
+# In Figure 9.2, on this CPU a gloo message costs hundreds of microseconds or more whatever its size
+# (the numbers depend on the machine and its load), and the tiny model's steps are almost nothing
+# but messages. The messages do not account for all of section 6's extra time either: the rest is
+# the two processes taking turns on two shared cores, each waking up the other through the kernel at
+# every collective.
 #
 # A plan over gloo costs about as much as a small all-reduce, for a few kilobytes: most of
 # it is the fixed cost of a gloo broadcast (two messages, the size then the bytes, through
@@ -703,21 +704,19 @@ for m, cfg in model_cfgs.items():
               f"{one:8.2f} {one / 2 + comm:14.2f} {two:14.2f} {two - one / 2 - comm:5.2f}")
 
 # %% [markdown]
-# The all-reduces themselves are small: with CUDA graphs one costs about 9 µs, and a
-# step's 58 to 74 of them well under a millisecond. The model predicts TP=2 steps *faster*
-# than TP=1, and the recorded steps are 1.8 to 3.3 ms slower than it says (the last column),
-# for both shapes and both batch sizes: a cost per step that the data sent does not explain.
-# The likely culprit is the host side. At TP=1 a step's host work is rank 0's: prepare the
-# batch, copy its inputs, launch the graph. At TP=2, rank 0 also pickles the plan and sends
-# it (through gloo when this record was made), and only then can the worker receive and
-# unpickle it, copy
-# its inputs to its GPU and launch its graph; rank 0's graph waits at its first all-reduce
-# until the worker's arrives, so the worker's host path is in series with the GPUs. (The
-# eager numbers in the record show the same thing louder: TP=2 eager steps are 1.6 to 2.3×
-# TP=1's, because every eager all-reduce costs about 32 µs of launch and
-# synchronisation.) The record predates the shared-memory queue of section 7.1: on this
-# CPU the queue cuts a plan's latency several times, but how much of the 1.8 to 3.3 ms it
-# recovers on two H200s has not been measured yet.
+# Figure 9.3 draws the record and the model. The all-reduces themselves are small: with CUDA graphs
+# one costs about 9 µs, and a step's 58 to 74 of them well under a millisecond. The model predicts
+# TP=2 steps *faster* than TP=1, and the recorded steps are 1.8 to 3.3 ms slower than it says (the
+# last column), for both shapes and both batch sizes: a cost per step that the data sent does not
+# explain. The likely culprit is the host side. At TP=1 a step's host work is rank 0's: prepare the
+# batch, copy its inputs, launch the graph. At TP=2, rank 0 also pickles the plan and sends it
+# (through gloo when this record was made), and only then can the worker receive and unpickle it,
+# copy its inputs to its GPU and launch its graph; rank 0's graph waits at its first all-reduce
+# until the worker's arrives, so the worker's host path is in series with the GPUs. (The eager
+# numbers in the record show the same thing louder: TP=2 eager steps are 1.6 to 2.3× TP=1's, because
+# every eager all-reduce costs about 32 µs of launch and synchronisation.) The record predates the
+# shared-memory queue of section 7.1: on this CPU the queue cuts a plan's latency several times, but
+# how much of the 1.8 to 3.3 ms it recovers on two H200s has not been measured yet.
 
 # %%
 fig, (ax_ar, ax_step) = plt.subplots(1, 2, figsize=(11, 4))
@@ -745,8 +744,11 @@ ax_step.legend(fontsize=8)
 fig.suptitle(f"Recorded on {record['device']}, {record['runs'][0]['date'][:10]} "
              "(figures/data/tp_h200x2.json)", fontsize=10)
 fig.tight_layout()
-save_figure(fig, "09_tensor_parallel_cost")
-plt.show()
+figure(fig, "09_tensor_parallel_cost",
+       f"Recorded on {record['device']}: the NCCL all-reduce latency by message size, eager and"
+       " from a CUDA graph, with the messages of a decode step marked (left); decode steps at"
+       " TP=1 and TP=2, and the TP=2 time the cost model predicts (right): compare the model's"
+       " bars with the recorded TP=2 ones.")
 
 # %% [markdown]
 # ## 8. Where TP=2 wins: throughput
@@ -778,23 +780,22 @@ ax.set(ylabel="output tokens / s", title="nano-vllm workload, bf16 (recorded)")
 ax.legend()
 fig.suptitle(f"{record['device']}, {record['runs'][-1]['date'][:10]}", fontsize=9)
 fig.tight_layout()
-save_figure(fig, "09_tensor_parallel_throughput")
-plt.show()
+figure(fig, "09_tensor_parallel_throughput",
+       f"Recorded output throughput of the nano-vllm workload (bf16) on {record['device']}, at"
+       " TP=1 on one GPU and TP=2 on two, for the Qwen3-0.6B and Qwen3-8B shapes.")
 
 # %% [markdown]
-# TP=2 serves 1.26× the tokens per second for the 0.6B shape and 1.55× for the 8B shape,
+# Figure 9.4: TP=2 serves 1.26× the tokens per second for the 0.6B shape and 1.55× for the 8B shape,
 # although no single step got faster. What pays: prefill, where the matmuls are large and
-# compute-bound, splits its arithmetic over two GPUs; each GPU's 40 GiB of cache holds half
-# of every token's KV, so the engine can keep twice the tokens in flight; and the 8B shape
-# is heavier per step, so the fixed per-step overhead of section 7.2 is a smaller share of
-# it. (The record does not separate these parts; a run with the cache halved at TP=2 would
-# isolate the capacity.) On two GPUs
-# that is less than 2× (the GPUs could instead run two independent TP=1 engines, "data
-# parallel", at up to 2× for a model that fits one GPU). TP is the right tool when the model
-# does not fit, when its cache would be too small on one GPU, or when one request's latency
-# must fall for models large enough that the per-step overhead is small next to the matmuls;
-# the shared-memory queue of section 7.1 attacks that overhead, and a record made with it
-# will show how much of it is left.
+# compute-bound, splits its arithmetic over two GPUs; each GPU's 40 GiB of cache holds half of every
+# token's KV, so the engine can keep twice the tokens in flight; and the 8B shape is heavier per
+# step, so the fixed per-step overhead of section 7.2 is a smaller share of it. (The record does not
+# separate these parts; a run with the cache halved at TP=2 would isolate the capacity.) On two GPUs
+# that is less than 2× (the GPUs could instead run two independent TP=1 engines, "data parallel", at
+# up to 2× for a model that fits one GPU). TP is the right tool when the model does not fit, when
+# its cache would be too small on one GPU, or when one request's latency must fall for models large
+# enough that the per-step overhead is small next to the matmuls; the shared-memory queue of section
+# 7.1 attacks that overhead, and a record made with it will show how much of it is left.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
