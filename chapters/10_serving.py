@@ -80,7 +80,6 @@ import httpx
 import matplotlib.pyplot as plt
 import openai
 import torch
-from IPython.display import Markdown, display
 
 import nanovllm
 from nanovllm import LLM, SamplingParams, smollm2_path
@@ -89,7 +88,7 @@ from nanovllm.engine.async_engine import AsyncEngine
 from nanovllm.serve import ServeConfig, ServerThread, build_app
 from nanovllm.serve.admission import TokenBucket
 from nanovllm.serve.config import ApiKey, Limits
-from nanovllm.viz import figures_dir, save_figure, show_source, use_book_style
+from nanovllm.viz import figure, figures_dir, show_source, use_book_style
 from nanovllm.viz.records import HEADLINES, load_record
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -293,7 +292,6 @@ print("server thread alive:", smol_server.thread.is_alive(), "| engine running:"
 # come back through asyncio queues.
 
 # %%
-from nanovllm.viz import figure
 from nanovllm.viz.diagrams import request_path_diagram
 
 fig = request_path_diagram()
@@ -438,15 +436,17 @@ ax.set_xticks([0, 1, 2, 3], ["fcfs\ninteractive", "fcfs\nbatch", "priority\ninte
 ax.set(ylabel="end-to-end latency (ms)",
        title="Two key classes on one engine (2 slots, tiny model, CPU)")
 ax.legend()
-save_figure(fig, "10_serving_priorities")
-plt.show()
+figure(fig, "10_serving_priorities",
+       "The end-to-end latency of every request of two key classes, interactive and batch, sent"
+       " together to one engine (tiny model, 2 slots, this machine's CPU), under first come,"
+       " first served and under the priority policy.")
 
 # %% [markdown]
-# Under first come, first served the interactive requests queue behind the whole batch
-# backlog: their latency is roughly the time to drain it. Under the priority policy each one
-# takes the next free slot, so its latency is about its own generation time plus the wait for
-# one slot (a running batch request is not interrupted). The batch requests pay a little
-# for it. The same experiment on your machine gives other milliseconds but the same shape.
+# In Figure 10.2, under first come, first served the interactive requests queue behind the whole
+# batch backlog: their latency is roughly the time to drain it. Under the priority policy each one
+# takes the next free slot, so its latency is about its own generation time plus the wait for one
+# slot (a running batch request is not interrupted). The batch requests pay a little for it. The
+# same experiment on your machine gives other milliseconds but the same shape.
 
 # %% [markdown]
 # ## 6. Latency against request rate
@@ -490,11 +490,13 @@ for run in report["runs"]:
 fig = loadgen.plot(report)
 fig.suptitle("tiny model on this machine's CPU: 16 requests, 32 in / 16 out tokens, "
              "SLO TTFT 250 ms, TPOT 20 ms")
-save_figure(fig, "10_serving_load")
-display(fig)
+figure(fig, "10_serving_load",
+       "The load generator against a live server of the tiny model on this machine: TTFT and"
+       " TPOT percentiles (left, middle) and request throughput and goodput (right) at offered"
+       f" rates of {', '.join(RATES)} requests/s, {report['config']['num_requests']} requests each.")
 
 # %% [markdown]
-# Read the figure left to right: at a low rate each request runs nearly alone; at "inf" all
+# Read Figure 10.3 left to right: at a low rate each request runs nearly alone; at "inf" all
 # arrive at once, and the last ones wait for the first ones' prefill steps, which the TTFT p99
 # shows. The same command against a GPU server (`--base-url`) gives the curve that sizes a
 # deployment: the highest rate whose p99 still meets the SLO is what one replica can promise.

@@ -71,7 +71,7 @@ from nanovllm import LLM, SamplingParams, smollm2_path
 from nanovllm.benchmarks.workload import bandwidth_bound_seconds, bound_bytes, make_workload
 from nanovllm.configs import config_path
 from nanovllm.models import ModelConfig, get_model_class
-from nanovllm.viz import BOOK_COLORS, figures_dir, save_figure, show_source, use_book_style
+from nanovllm.viz import BOOK_COLORS, figure, figures_dir, show_source, use_book_style
 from nanovllm.viz.records import HEADLINES, load_record  # what GPUs recorded, figures/data/
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -329,16 +329,19 @@ ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP / byte)",
        title=f"Roofline of the benchmark workload, Qwen3-0.6B on {bench['device']} (recorded)")
 ax.legend(fontsize=8, loc="lower right")
 fig.tight_layout()
-save_figure(fig, "11_performance_roofline")
-plt.show()
+figure(fig, "11_performance_roofline",
+       f"The roofline of {bench['device']} (recorded copy bandwidth and bf16 matmul rate) with"
+       " the benchmark workload on Qwen3-0.6B: at the bound, as run by nano-vllm and by"
+       " transformers, beside the decode matmuls at four batch sizes and the recorded decode and"
+       " prefill attention kernels. Look at which points sit left of the ridge.")
 
 # %% [markdown]
-# Everything the workload does in the decode phase sits on the slanted, memory-bound part of
-# the roof: the attention at 2 FLOP/byte, the matmuls up to about the batch size in FLOP/byte,
-# which even at batch 256 stays left of the ridge. Only the prefill is compute-bound, and it is
-# a small share of the work. The whole workload sits at about 25 FLOP/byte, far left of the
-# ridge: its bound is a *bandwidth* bound. Our engine's star sits a factor of about 1.7 below
-# the roof at that intensity, transformers' about 160 below.
+# In Figure 11.1, everything the workload does in the decode phase sits on the slanted, memory-bound
+# part of the roof: the attention at 2 FLOP/byte, the matmuls up to about the batch size in
+# FLOP/byte, which even at batch 256 stays left of the ridge. Only the prefill is compute-bound, and
+# it is a small share of the work. The whole workload sits at about 25 FLOP/byte, far left of the
+# ridge: its bound is a *bandwidth* bound. Our engine's star sits a factor of about 1.7 below the
+# roof at that intensity, transformers' about 160 below.
 #
 # ## 4. Where the time goes
 #
@@ -593,11 +596,11 @@ print("async answers equal synchronous ones:", answers[True] == answers[False])
 #    written nor returned: `_finish` already removed its placeholder and freed its blocks.
 
 # %% [markdown]
-# With async scheduling on (second row of the profile table above) the GPU was busy about 90%
-# of the time, and a step at batch 256 took 7.3 ms instead of 9.5. The "wait" is now the CPU
-# waiting for a GPU that is still computing: at this batch size the GPU, not the CPU, sets the
-# pace. The timeline of four profiled steps shows both loops (a row for the CPU's phases, one
-# for the GPU: a bar wherever a kernel runs):
+# With async scheduling on (second row of the profile table above) the GPU was busy about 90% of the
+# time, and a step at batch 256 took 7.3 ms instead of 9.5. The "wait" is now the CPU waiting for a
+# GPU that is still computing: at this batch size the GPU, not the CPU, sets the pace. The timeline
+# of four profiled steps, Figure 11.2, shows both loops (a row for the CPU's phases, one for the
+# GPU: a bar wherever a kernel runs):
 
 # %%
 phase_colors = {"schedule": BOOK_COLORS[2], "launch": BOOK_COLORS[0],
@@ -626,8 +629,11 @@ fig.legend(handles, list(phase_colors) + ["GPU kernels"], loc="lower center", nc
 fig.suptitle(f"Four decode steps of Qwen3-0.6B, profiled on {profile_rec['device']} "
              f"({profile_rec['date']})", fontsize=10)
 fig.tight_layout()
-save_figure(fig, "11_performance_async_timeline")
-plt.show()
+figure(fig, "11_performance_async_timeline",
+       f"Four decode steps of Qwen3-0.6B at batch {runs[True]['batch']} profiled on"
+       f" {profile_rec['device']}, async scheduling off (top) and on (bottom): the CPU's phases"
+       " and the GPU's kernels. Look at the gaps in the GPU row, and how async scheduling closes"
+       " them.")
 
 # %% [markdown]
 # Without async scheduling the GPU row has a gap in every step, as long as the CPU's
@@ -643,12 +649,11 @@ for name, rec in (("async off", sync_rec), ("async on", bench)):
           f"(mean batch {rec['mean_decode_batch']:.0f})")
 
 # %% [markdown]
-# Figure 11.1 lays the two modes side by side, with the phases measured in the synchronous run
+# Figure 11.3 lays the two modes side by side, with the phases measured in the synchronous run
 # above: without async scheduling the GPU waits while the CPU schedules, prepares and applies;
 # with it, the CPU's work for step $n+1$ hides under the GPU's step $n$.
 
 # %%
-from nanovllm.viz import figure
 from nanovllm.viz.diagrams import async_overlap_diagram
 
 fig = async_overlap_diagram()
@@ -684,20 +689,22 @@ for (name, seconds), color in zip(budget.items(), BOOK_COLORS[:3] + ["#BBBBBB"])
 ax.set(yticks=[], xlabel="seconds", xlim=(0, left * 1.02),
        title=f"Where the {bench['nanovllm_seconds']:.1f} s of the H200 run go")
 ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=2)
-save_figure(fig, "11_performance_time_budget")
-plt.show()
+figure(fig, "11_performance_time_budget",
+       f"The {bench['nanovllm_seconds']:.1f} s of the recorded benchmark run on {bench['device']}"
+       " split into the bound (the bytes at the copy bandwidth), the decode steps' time beyond it,"
+       " the steps with prompt tokens, and the time outside steps.")
 
 # %% [markdown]
-# Almost all the time is inside steps. The 36 steps with prompt tokens take under a second;
-# the decode steps take about 1.7 s more than their bytes need. Where does that go? At large
-# batches the profile shows it: the GPU is about 90% busy, and the 10% left is CPU work that
-# async scheduling could not hide. At small batches, late in the run when most requests have
-# finished, the GPU work per step shrinks to about a millisecond, but the CPU work does not
-# shrink with it. We can measure the CPU side on any machine, because it does not touch the
-# model: replace the model runner's forward pass by a stand-in that only prepares the step's
-# inputs and returns token 0 for every sequence, and run the real scheduler, block manager and
-# bookkeeping on the real workload. (The model is a tiny random one; only its config matters,
-# and with the forward pass replaced it never runs.)
+# Figure 11.4: almost all the time is inside steps. The 36 steps with prompt tokens take under a
+# second; the decode steps take about 1.7 s more than their bytes need. Where does that go? At large
+# batches the profile shows it: the GPU is about 90% busy, and the 10% left is CPU work that async
+# scheduling could not hide. At small batches, late in the run when most requests have finished, the
+# GPU work per step shrinks to about a millisecond, but the CPU work does not shrink with it. We can
+# measure the CPU side on any machine, because it does not touch the model: replace the model
+# runner's forward pass by a stand-in that only prepares the step's inputs and returns token 0 for
+# every sequence, and run the real scheduler, block manager and bookkeeping on the real workload.
+# (The model is a tiny random one; only its config matters, and with the forward pass replaced it
+# never runs.)
 
 # %%
 from nanovllm.engine.model_runner import InFlight
@@ -830,18 +837,19 @@ for y, (name, b) in enumerate(budgets.items()):
 ax.set(yticks=range(len(budgets)), yticklabels=list(budgets), xlabel="seconds",
        title="Where the GPU's time goes over the whole workload (H200)")
 ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=3)
-save_figure(fig, "11_performance_device_time")
-plt.show()
+figure(fig, "11_performance_device_time",
+       f"The GPU's time over the whole workload on {first['device']}, by kind of kernel, plus the"
+       " time it waited for the host, for Qwen3-0.6B and SmolLM2-135M; the black bar is the bound"
+       " of section 2. Compare each model's decode attention and matmuls with the bound.")
 
 # %% [markdown]
-# For Qwen3-0.6B the decode attention is the run: 3.8 of its 6.0 seconds, at about 88% of the
-# copy bandwidth over the whole run (chapter 05's kernel benchmark came closer on fixed shapes
-# at large batches). The matmuls take 1.0 s against 0.3 s of weight reads; they
-# include the prefill's, which are compute-bound. The sampler's softmax and arg-max over 151,936
-# logits per row take 0.2 s, and the GPU waits for the host 0.4 s. Reaching 75% of the bound
-# (5.0 s) would need a second off: a fused sampler (one pass over the logits instead of five)
-# and less host time would give perhaps 0.5 s; the rest would have to come from the attention
-# kernel itself.
+# In Figure 11.5, for Qwen3-0.6B the decode attention is the run: 3.8 of its 6.0 seconds, at about
+# 88% of the copy bandwidth over the whole run (chapter 05's kernel benchmark came closer on fixed
+# shapes at large batches). The matmuls take 1.0 s against 0.3 s of weight reads; they include the
+# prefill's, which are compute-bound. The sampler's softmax and arg-max over 151,936 logits per row
+# take 0.2 s, and the GPU waits for the host 0.4 s. Reaching 75% of the bound (5.0 s) would need a
+# second off: a fused sampler (one pass over the logits instead of five) and less host time would
+# give perhaps 0.5 s; the rest would have to come from the attention kernel itself.
 #
 # SmolLM2-135M is another story: about a quarter of its bound. Its decode attention reads at about
 # 55% of the copy bandwidth: with head_dim 64 and 3 KV heads each program has little to read per
@@ -995,14 +1003,15 @@ ax_p.set(xlabel="milliseconds", title="mean time per output token")
 fig.suptitle(f"The benchmark with one knob changed, Qwen3-0.6B on {tuning['device']} "
              f"({tuning['date']})", fontsize=10)
 fig.tight_layout()
-save_figure(fig, "11_performance_knobs")
-plt.show()
+figure(fig, "11_performance_knobs",
+       f"The benchmark on Qwen3-0.6B ({tuning['device']}) with one engine knob changed per row:"
+       " throughput, mean time to first token and mean time per output token. The default"
+       " setting, run more than once, shows the run-to-run noise.")
 
 # %% [markdown]
-# The rows "defaults (run 1)" and "(run 2)" are the same setting run twice: they differ by
-# several percent (the first run in a process is a little slower), which is the noise to keep in
-# mind for the rest.
-# Then, knob by knob:
+# In Figure 11.6 the rows "defaults (run 1)" and "(run 2)" are the same setting run twice: they
+# differ by several percent (the first run in a process is a little slower), which is the noise to
+# keep in mind for the rest. Then, knob by knob:
 #
 # * **`max_num_seqs`** caps the batch. With 64 or 128 sequences per step the run needs 2.6
 #   or 1.7 times as many steps, each reading all the weights, and throughput drops
@@ -1231,13 +1240,15 @@ for level, text in ((old / llama3["high_freq_factor"], "old context / high_freq_
 ax.set(yscale="log", xlabel="channel pair i", ylabel="wavelength 2π/ω_i (positions)",
        title="RoPE wavelengths of Llama 3.1 (head_dim 128, θ = 500,000)")
 ax.legend(loc="upper left")
-save_figure(fig, "11_performance_rope_scaling")
-plt.show()
+figure(fig, "11_performance_rope_scaling",
+       "The wavelength of each RoPE channel pair of Llama 3.1 (head_dim 128, theta = 500,000)"
+       " without scaling, with linear scaling by 8 and with the llama3 rule, computed by the"
+       " package's rope_inverse_frequencies: the llama3 rule stretches only the slow pairs.")
 
 # %% [markdown]
-# The fast pairs (left) keep their wavelengths, so the model still resolves nearby positions as
-# in training; the slow pairs (right) are stretched eight times, so positions up to 131,072 map
-# onto angles seen during training.
+# In Figure 11.7, the fast pairs (left) keep their wavelengths, so the model still resolves nearby
+# positions as in training; the slow pairs (right) are stretched eight times, so positions up to
+# 131,072 map onto angles seen during training.
 #
 # Long contexts are also a memory and bandwidth question. A Qwen3-0.6B token occupies
 # `kv_bytes_per_token` bytes of cache; a decode step of a sequence must read all of them:
