@@ -795,8 +795,9 @@ ax.set_title("KV usage per step (dotted: running sequences, 8 = 100%)", loc="lef
 ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncols=3)
 figure(fig, "06_scheduler_preemption",
        "KV-cache usage per engine step for one workload run with"
-       f" {' and '.join(map(str, runs_kv))} KV blocks; triangles mark steps that preempted a sequence, dotted lines count the running"
-       " sequences. With the small cache the scheduler preempts and recomputes instead of failing.")
+       f" {' and '.join(map(str, runs_kv))} KV blocks; triangles mark steps that preempted a"
+       " sequence, dotted lines count the running sequences. With the small cache the scheduler"
+       " preempts and recomputes instead of failing.")
 
 # %% [markdown]
 # In Figure 6.4, with 128 blocks (blue) usage creeps up as the eight answers grow and never comes

@@ -493,7 +493,8 @@ fig.suptitle("tiny model on this machine's CPU: 16 requests, 32 in / 16 out toke
 figure(fig, "10_serving_load",
        "The load generator against a live server of the tiny model on this machine: TTFT and"
        " TPOT percentiles (left, middle) and request throughput and goodput (right) at offered"
-       f" rates of {', '.join(RATES)} requests/s, {report['config']['num_requests']} requests each.")
+       f" rates of {', '.join(RATES)} requests/s, {report['config']['num_requests']} requests"
+       " each.")
 
 # %% [markdown]
 # Read Figure 10.3 left to right: at a low rate each request runs nearly alone; at "inf" all

@@ -78,7 +78,7 @@ from nanovllm import LLM, SamplingParams, smollm2_path
 from nanovllm.context import attention_metadata
 from nanovllm.layers import rotary
 from nanovllm.models import ModelConfig, get_model_class, supported_architectures
-from nanovllm.viz import BOOK_COLORS, figures_dir, save_figure, show_source, use_book_style
+from nanovllm.viz import BOOK_COLORS, figure, figures_dir, show_source, use_book_style
 from nanovllm.weights.loader import load_safetensors
 
 torch.set_num_threads(1)  # tiny models: OpenMP threads on two shared cores only compete
@@ -216,7 +216,7 @@ for head_dim, rope_base, trained in ((64, 1e5, 8192), (128, 1e6, 32768)):
 # length times $s$ for linear, dynamic and YaRN (a llama3 config already states it). The
 # engine then accepts prompts that long.
 #
-# What each scaling does to SmolLM2's 32 wavelengths:
+# What each scaling does to SmolLM2's 32 wavelengths (Figure 12.1):
 
 # %%
 def wavelengths(scaling: dict | None) -> torch.Tensor:
@@ -240,8 +240,11 @@ ax.text(0.5, L_train * 1.3, f"trained length ({L_train:,})", fontsize=8, color="
 ax.set(yscale="log", xlabel="channel pair i", ylabel="wavelength 2π/θ_i (positions)",
        title="SmolLM2's RoPE wavelengths under each scaling, factor 2")
 ax.legend(loc="upper left")
-save_figure(fig, "12_long_context_wavelengths")
-plt.show()
+figure(fig, "12_long_context_wavelengths",
+       f"The wavelength of each of SmolLM2's {d // 2} RoPE channel pairs without scaling and under"
+       " linear, dynamic NTK and YaRN scaling by a factor of 2, computed by the package's"
+       " rope_inverse_frequencies; the dotted line is the trained length. Look at which pairs"
+       " each scaling moves: the fast ones (left) or only the slow ones (right).")
 
 # %% [markdown]
 # Linear stretches every pair, the fast ones included. Dynamic NTK stretches the slowest
@@ -334,7 +337,7 @@ print(f"{record['tokens']} tokens, bins of {record['bin_size']}, trained length 
 
 # %% [markdown]
 # First, the record's first bin is recomputed live for two variants (a 512-token forward each,
-# a few seconds), so the figure below is tied to the package as it is now:
+# a few seconds), so Figure 12.2 below is tied to the package as it is now:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -365,8 +368,11 @@ ax.set(yscale="log", xlabel="position in the text (tokens)",
        ylabel=f"perplexity of each {bins}-token bin",
        title="SmolLM2-135M on Alice I–V: perplexity by position (recorded)")
 ax.legend(loc="upper left")
-save_figure(fig, "12_long_context_perplexity")
-plt.show()
+figure(fig, "12_long_context_perplexity",
+       f"Recorded perplexity of SmolLM2-135M by position in one long text, in bins of {bins}"
+       f" tokens, without RoPE scaling and under each scaling (factor 2), on {record['device']};"
+       f" the dotted line is the trained length, {record['trained_length']:,} tokens. Compare the"
+       " curves inside the trained length and past it.")
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -424,7 +430,8 @@ print(f"no scaling past L_train vs before it: {plain[2] / plain[1] - 1:+.1%} "
 # What it buys an engine: attention per token costs $O(w)$, not $O(n)$, and keys older than
 # $w$ are never read again, so their blocks can be freed (end of this section).
 #
-# The mask, drawn for 12 positions, window 4 (`sliding_window_mask`, your assignment below):
+# The mask, drawn for 12 positions, window 4 in Figure 12.3 (`sliding_window_mask`, your
+# assignment below):
 
 # %%
 from nanovllm.layers import torch_attention
@@ -435,8 +442,9 @@ for ax, (title, mask) in zip(axes, (
         ("causal, window 4", torch_attention.sliding_window_mask(12, 12, 4)))):
     ax.imshow(mask.numpy(), cmap="Blues", vmin=0, vmax=1.4)
     ax.set(title=title, xlabel="key position j", ylabel="query position p")
-save_figure(fig, "12_long_context_window_mask")
-plt.show()
+figure(fig, "12_long_context_window_mask",
+       "Which keys j each query p may attend to (blue) for 12 positions: the causal mask, and the"
+       " causal mask with a sliding window of 4 (the package's sliding_window_mask).")
 
 # %% [markdown]
 # In the package the window is one optional argument that travels from the model's config
@@ -587,19 +595,21 @@ for free, label, color in ((False, "chapter 04 manager", BOOK_COLORS[1]),
 ax.set(xlabel="tokens computed", ylabel="KV blocks held (b = 16)",
        title="One Mistral sequence: blocks held after each step")
 ax.legend()
-save_figure(fig, "12_long_context_window_freeing")
-plt.show()
+figure(fig, "12_long_context_window_freeing",
+       "The KV blocks (16 tokens each) one sequence of the tiny Mistral model (window 12) holds"
+       f" after each engine step, a {len(long_prompt)}-token prompt then 40 decode steps, with the"
+       " chapter 04 block manager and with the window manager, which frees blocks that slide out"
+       " of the window.")
 
 # %% [markdown]
-# During the prefill a step holds the window plus its 32-token chunk (the peak above); once
-# decoding, at most $\lceil w/b \rceil + 1$ blocks: the window and the block the next token
-# goes to (one block when both fit in it, as $w < b$ allows here). The plain manager grows one
-# block per 16 tokens. What that buys is concurrency: the same KV budget fits many more long
-# Mistral sequences at once. `tests/test_sliding_window_engine.py` runs six at once where the
-# plain manager decodes fewer, with preemptions; it also checks chunked prefill, preemption,
-# prefix caching and async scheduling against `transformers`, and fills every released block
-# with NaN, on the torch and the Triton backend: no token changes, while one block released
-# too early changes them.
+# In Figure 12.4, during the prefill a step holds the window plus its 32-token chunk (the peak
+# above); once decoding, at most $\lceil w/b \rceil + 1$ blocks: the window and the block the next
+# token goes to (one block when both fit in it, as $w < b$ allows here). The plain manager grows one
+# block per 16 tokens. What that buys is concurrency: the same KV budget fits many more long Mistral
+# sequences at once. `tests/test_sliding_window_engine.py` runs six at once where the plain manager
+# decodes fewer, with preemptions; it also checks chunked prefill, preemption, prefix caching and
+# async scheduling against `transformers`, and fills every released block with NaN, on the torch and
+# the Triton backend: no token changes, while one block released too early changes them.
 #
 # ## 6. How to add a model: Qwen2, step by step
 #

@@ -75,7 +75,7 @@ from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.scheduler_output import SchedulerOutput
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.models import ModelConfig
-from nanovllm.viz import BOOK_COLORS, figures_dir, save_figure, show_source, use_book_style
+from nanovllm.viz import BOOK_COLORS, figure, figures_dir, show_source, use_book_style
 
 torch.set_num_threads(1)  # tiny matmuls on two shared cores run faster without OpenMP threads
 use_book_style()
@@ -215,7 +215,8 @@ print(f"after {leaky['steps']} steps the leaky engine has {len(leaky_engine.requ
 # matches its holders (block 0, the shared opening, is over-counted by one: the aborted
 # request's reference). Unchecked, the same bug shows only as KV usage that never comes back
 # down: each abort shrinks the cache for good, fewer requests fit at once, and a server that
-# runs long enough reaches the point where no request fits and everything waits.
+# runs long enough reaches the point where no request fits and everything waits. Figure 13.1
+# shows both runs.
 
 # %%
 fig, ax = plt.subplots(figsize=(7.5, 3.6))
@@ -230,8 +231,10 @@ ax.set_ylabel("KV blocks held (%)")
 ax.set_ylim(0, 105)
 ax.set_title("A KV leak: usage over time, SmolLM2 on CPU, 40 blocks")
 ax.legend(loc="center right")
-save_figure(fig, "13_troubleshooting_kv_leak")
-plt.show()
+figure(fig, "13_troubleshooting_kv_leak",
+       "The share of KV blocks held after each engine step (SmolLM2 on a CPU, a small cache) for"
+       " the correct scheduler and for one that forgets to free an aborted request's blocks; the"
+       " dotted line marks the step where the engine's leak check fires.")
 
 # %% [markdown]
 # The fix is the line that was missing; the check then stays silent (the correct run above).
@@ -487,7 +490,8 @@ for kind, n in refused.items():
 #
 # Now the real engine: on the correct run of section 2's workload we measure, after every
 # step, the internal waste of each live sequence, the slots its table holds minus the tokens
-# whose keys and values are in them, against the bound of `block_size - 1` per sequence.
+# whose keys and values are in them, against the bound of `block_size - 1` per sequence
+# (Figure 13.2).
 
 # %%
 e = fresh_engine()
@@ -524,8 +528,10 @@ ax.set_xlabel("engine step")
 ax.set_ylabel("KV slots allocated but unused")
 ax.set_title(f"Internal waste of the paged cache, SmolLM2 on CPU, block_size {bs}")
 ax.legend()
-save_figure(fig, "13_troubleshooting_internal_waste")
-plt.show()
+figure(fig, "13_troubleshooting_internal_waste",
+       "The KV slots allocated but not yet written (internal waste) after each engine step of"
+       f" section 2's workload (SmolLM2, block_size {bs}), against its bound, block_size - 1"
+       " slots per live sequence.")
 
 # %% [markdown]
 # ## 6. Why continuous batching needs no batch-wait timeout
@@ -603,20 +609,22 @@ for ax, (load, (n, gap)) in zip(axes, LOADS.items()):
     ax.set_ylim(bottom=0)
 axes[0].set_ylabel("time to first token (ms)")
 axes[0].legend()
-save_figure(fig, "13_troubleshooting_batch_wait")
-plt.show()
+figure(fig, "13_troubleshooting_batch_wait",
+       f"Time to first token of each request (SmolLM2 on a CPU) at {' and '.join(LOADS)} load,"
+       " admitted as it arrives and held by a 50 ms admission wait. Look at how much the wait"
+       " adds at light load, where the engine was idle anyway.")
 
 # %% [markdown]
-# At light load each request finds the engine idle, and the wait adds itself to its TTFT,
-# nearly in full: nothing was gained by waiting, since there was no one to wait for. At heavy
-# load the outcome is noisier: the steps on this CPU last longer than the wait, so a held
-# request may have had to wait for the running step anyway (the wait then hides in it), or it
-# may miss a step it would have joined and pay more than the wait. What could a wait buy?
-# Bigger batches, hence throughput. But the engine's batch grows by itself while requests run,
-# since every step admits whoever has arrived, so the throughput does not improve with the
-# wait beyond the run-to-run noise of this shared machine. (On a GPU, where a decode step
-# takes milliseconds, 50 ms is many steps: there the wait is pure delay.) The knobs that do
-# shape batches here are the token budget per step and `max_num_seqs` (chapter 11).
+# In Figure 13.3, at light load each request finds the engine idle, and the wait adds itself to its
+# TTFT, nearly in full: nothing was gained by waiting, since there was no one to wait for. At heavy
+# load the outcome is noisier: the steps on this CPU last longer than the wait, so a held request
+# may have had to wait for the running step anyway (the wait then hides in it), or it may miss a
+# step it would have joined and pay more than the wait. What could a wait buy? Bigger batches, hence
+# throughput. But the engine's batch grows by itself while requests run, since every step admits
+# whoever has arrived, so the throughput does not improve with the wait beyond the run-to-run noise
+# of this shared machine. (On a GPU, where a decode step takes milliseconds, 50 ms is many steps:
+# there the wait is pure delay.) The knobs that do shape batches here are the token budget per step
+# and `max_num_seqs` (chapter 11).
 #
 # ## 7. GPU memory: what `torch.cuda.memory_summary()` says about the KV budget
 #
