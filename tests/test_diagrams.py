@@ -1,7 +1,8 @@
 """The concept diagrams (nanovllm/viz/diagrams.py, kernel_diagrams.py), the numbered figures
 (viz/figures.py), the roadmap boxes and the bibliography: each diagram draws on a CPU, what it
-draws is what the package computes, every chapter 01-13 opens with its roadmap, every figure
-number the text names exists and sits beside its figure, and every citation is in
+draws is what the package computes, every chapter 01-13 opens with its roadmap, every figure of
+a chapter is numbered and captioned (shown through ``figure``), every figure number the text
+names exists and sits beside its figure, and every citation is in
 book/references.bib.
 """
 

@@ -1,10 +1,11 @@
 """Plotting helpers the chapters share; the engine itself never imports this package.
 
-`style` holds the book's one figure style and `save_figure`, which every chapter uses to write
-its figures into the repository's `figures/` folder. matplotlib is imported only when a helper
-runs, so `import nanovllm.viz` works without it. `show_source` renders package code in a chapter.
-`figure` shows a figure numbered and captioned ("Figure 4.1. ..."); the concept diagrams and the
-"where we are" box are in `diagrams` and `kernel_diagrams`.
+`style` holds the book's one figure style and `save_figure`, which writes a figure into the
+repository's `figures/` folder. matplotlib is imported only when a helper runs, so
+`import nanovllm.viz` works without it. `show_source` renders package code in a chapter.
+`figure`, through which every chapter shows every figure, numbers and captions it ("Figure 4.1.
+...") and saves it; the concept diagrams and the "where we are" box are in `diagrams` and
+`kernel_diagrams`.
 """
 
 from nanovllm.viz.figures import figure

@@ -7,7 +7,9 @@ them; the chapter is the label's two-digit prefix. The text beside a figure name
 number ("Figure 4.1 shows ..."); tests/test_diagrams.py reads every chapter's ``figure(...)``
 calls in order (``figure_labels``) and checks each "Figure N.M" of its markdown against them,
 so a figure inserted or removed above cannot leave a reference pointing at the wrong picture.
-Used by every chapter from 00 on (the concept diagrams, ``diagrams.py``).
+Every figure of every chapter goes through ``figure`` (tests/test_diagrams.py fails on a chapter
+that calls ``save_figure`` itself), the concept diagrams (``diagrams.py``) and the data figures
+alike.
 """
 
 from __future__ import annotations

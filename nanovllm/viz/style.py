@@ -1,7 +1,8 @@
 """The book's figure style, shared by every chapter (00-11).
 
-A chapter calls `use_book_style()` once (or plots inside `with book_style():`), draws, and calls
-`save_figure(fig, "04_prefix_cache_hits")`, which writes `figures/04_prefix_cache_hits.png`.
+A chapter calls `use_book_style()` once (or plots inside `with book_style():`), draws, and shows
+the figure with `figure(fig, "04_prefix_cache_hits", caption)` (`figures.py`), which numbers it
+and calls `save_figure` here to write `figures/04_prefix_cache_hits.png`.
 One style for the whole book: readable fonts, a light grid, and a fixed colour cycle, so a colour
 means the same thing from figure to figure (e.g. "ours" is always the first colour).
 """
