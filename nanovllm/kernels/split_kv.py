@@ -127,15 +127,7 @@ def combine_splits(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor,  # noqa:
     head_dim]``, in place: one program per (sequence, query head)."""
     batch, num_heads, num_splits, d_pad = acc.shape
     _combine_splits_kernel[(batch, num_heads)](
-        m,
-        l,
-        acc,
-        out,
-        num_splits,
-        out.stride(0),
-        out.stride(1),
-        HEAD_DIM=out.shape[2],
-        D_PAD=d_pad,
-        SPLITS_PAD=triton.next_power_of_2(num_splits),
+        m, l, acc, out, num_splits, out.stride(0), out.stride(1),
+        HEAD_DIM=out.shape[2], D_PAD=d_pad, SPLITS_PAD=triton.next_power_of_2(num_splits),
         num_warps=4,
     )
