@@ -1,4 +1,4 @@
-"""SwiGLU's gate, ``silu(gate) * up``, as one Triton kernel (chapter 11; SwiGLU: chapter 01).
+"""SwiGLU's gate (chapter 01), ``silu(gate) * up``, as one Triton kernel (chapter 11).
 
 It reads the packed ``[T, 2I]`` ``[gate | up]`` once and writes ``[T, I]``, where PyTorch needs
 two kernels and a round trip of ``silu(gate)`` through memory. ``silu`` is computed in fp32 and

@@ -1,4 +1,4 @@
-"""Paged decode attention in Triton: GQA-aware and split-KV (flash-decoding); chapter 05.
+"""Paged decode attention in Triton: GQA-aware and split-KV (flash-decoding), chapter 05.
 
 Each sequence brings one query token whose key and value ``store_kv`` already cached; the kernel
 reads every cached KV byte once (memory bound). One program per ``(sequence, kv head, split)``

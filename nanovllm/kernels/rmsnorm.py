@@ -1,4 +1,4 @@
-"""Fused residual add + RMSNorm (a Triton kernel; chapter 11 counts the kernels it saves).
+"""Fused residual add + RMSNorm, as one Triton kernel (chapter 11 counts what it saves).
 
 In PyTorch the add and the norm are nine small bf16 kernels, each reading and writing the whole
 ``[T, D]`` activation; in a small-batch decode step those launches are what the GPU waits for.
