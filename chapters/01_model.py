@@ -1273,7 +1273,7 @@ show_source(ModelRunner._sample)
 # frequency and presence); the temperature, the filters and the exponential race follow. A ban
 # is final (no finite bias or penalty lifts $-\infty$), and the bias comes before the
 # repetition penalty, which then scales it too. The package's
-# `nanovllm/layers/logits_processors.py`, whose docstring is this list:
+# `nanovllm/layers/logits_processors.py`, whose docstring sums this list up and names its sources:
 
 # %%
 # NBVAL_IGNORE_OUTPUT

@@ -1,19 +1,9 @@
-"""SwiGLU's gate, ``silu(gate) * up``, as one Triton kernel.
+"""SwiGLU's gate (chapter 01), ``silu(gate) * up``, as one Triton kernel (chapter 11).
 
-The MLP's first projection produces ``[gate | up]`` packed in one ``[T, 2I]`` tensor. PyTorch
-needs two kernels for the gate (``silu``, then the product), and the intermediate ``silu(gate)``
-makes a round trip through memory; this kernel reads both halves once and writes ``[T, I]``.
-
-Program ``(t, j)`` handles columns ``[j * BLOCK, (j + 1) * BLOCK)`` of token ``t``. ``silu`` is
-computed in fp32 and rounded to the activation dtype, and the product is rounded again: the
-rounding of the PyTorch path (``nanovllm/layers/activation.py``).
-
-Chapter 11 (``chapters/11_performance``) counts the kernels this fusion saves; chapter 01
-teaches SwiGLU. ``SiluAndMul`` (``nanovllm/layers/activation.py``) uses the kernel once
-``set_fused_kernels`` switches it on (``nanovllm/layers/fused.py``).
-
-Runs on a GPU, or on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1`` set before
-``triton`` is imported).
+It reads the packed ``[T, 2I]`` ``[gate | up]`` once and writes ``[T, I]``, where PyTorch needs
+two kernels and a round trip of ``silu(gate)`` through memory. ``silu`` is computed in fp32 and
+rounded to the activation dtype, and the product rounded again: the PyTorch path's rounding
+(``layers/activation.py``).
 """
 
 from __future__ import annotations
@@ -65,13 +55,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if num_tokens and inter:
         block = min(triton.next_power_of_2(inter), MAX_BLOCK)
         _silu_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
-            gate_up,
-            out,
-            gate_up.stride(0),
-            out.stride(0),
-            inter,
-            BLOCK=block,
-            INTERPRETED_BF16=interpreted_bf16(gate_up),
-            num_warps=4,
+            gate_up, out, gate_up.stride(0), out.stride(0), inter,
+            BLOCK=block, INTERPRETED_BF16=interpreted_bf16(gate_up), num_warps=4,
         )
     return out

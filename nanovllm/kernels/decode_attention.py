@@ -1,53 +1,21 @@
-"""Paged decode attention in Triton: GQA-aware and split-KV (flash-decoding).
+"""Paged decode attention in Triton: GQA-aware and split-KV (flash-decoding), chapter 05.
 
-In a decode step every sequence brings one new query token, whose key and value are already in
-the paged cache (``store_kv``). Attention then reads the *whole* cached history of each sequence
-once, so the kernel is bound by memory bandwidth: the work is to read each KV byte exactly once,
-from wherever the block table scattered it, and to keep enough reads in flight to fill the GPU.
+Each sequence brings one query token whose key and value ``store_kv`` already cached; the kernel
+reads every cached KV byte once (memory bound). One program per ``(sequence, kv head, split)``
+loads the ``group`` query heads of its KV head as one tile (padded to 16 rows, the smallest
+``tl.dot``), walks its key range through the block table (``-1`` padding is never loaded) with
+an online softmax in base 2, and with ``num_splits > 1`` writes fp32 partials that
+``split_kv.py`` merges (chapter 05 §4-§6). ``num_splits=None`` decides from shapes only, so the
+call can be captured in a CUDA graph.
 
-Algorithm (one program per ``(sequence, kv head, split)``):
-
-1. **GQA tile.** The ``group = num_heads // num_kv_heads`` query heads that share one KV head are
-   loaded together as a ``[group, head_dim]`` tile (padded to 16 rows, the smallest ``tl.dot``
-   shape). Each KV block is therefore read once for the whole group, not once per query head.
-2. **Paged gather.** The program walks its key range in tiles of ``BLOCK_N`` tokens; token ``t``
-   lives at block ``block_tables[b, t // block_size]``, row ``t % block_size``. Block-table
-   entries past the sequence's length (``-1`` padding) are never loaded.
-3. **Online softmax.** Scores ``q @ k^T`` (fp32 accumulation) update a running max ``m``, a
-   running sum ``l`` and an unnormalized output ``acc``, the flash-attention recurrence. Scores
-   are kept in base 2 (``scale * log2(e)`` folded into the scale) so ``exp2`` is used throughout.
-4. **Split-KV.** With few sequences, ``batch * num_kv_heads`` programs would leave most SMs idle
-   while each walks a long history. So the key range of each sequence is cut into
-   ``num_splits`` chunks processed by separate programs, each writing its partial ``(m, l, acc)``
-   to fp32 scratch. A second small kernel merges the partials with the log-sum-exp rule
-   ``out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s`` with ``M = max_s m_s``. With one
-   split the first kernel normalizes and writes the output itself.
-
-``num_splits=None`` picks the split count with :func:`choose_num_splits` from shapes only (no
-device synchronization, so the call can be captured in a CUDA graph). The split count, the
-partials' buffers and the merge kernel live in ``split_kv.py`` beside this file.
-
-Taught in chapter 05 (``chapters/05_paged_attention_kernel``). This is the ``triton`` attention
-backend's decode path; ``store_kv`` (beside this file) fills the cache it reads.
-
-Runs on a GPU, or on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1`` set before
-``triton`` is imported). The interpreter computes bf16 arithmetic wrongly, so there bf16 tiles are
-upcast to fp32 before ``tl.dot``; on a GPU fp16/bf16 tiles go to the tensor cores as they are
-(``q`` and the softmax weights rounded to the cache dtype, fp32 accumulation, as in
-flash-attention). fp32 caches use exact fp32 dots. ``head_dim`` need not be a power of two.
-
-An fp8 cache (``torch.float8_e4m3fn``, ``kv_cache_dtype="fp8"``, chapter 08) holds
-``K / k_scale`` and ``V / v_scale``, one scalar scale each per layer (``store_kv`` wrote it;
-``nanovllm/layers/quantization/kv_cache.py`` says why per layer). Each K/V tile is widened to
-``q``'s dtype right after loading (exact: every e4m3 value is a bf16/fp16/fp32 value), so the
-dots run as for a 16-bit cache while only one byte per element crosses the memory bus. The
-scales never enter the loop: ``k_scale`` joins the softmax scale and ``v_scale`` multiplies
-the output. On a GPU Triton converts e4m3 only on compute capability >= 8.9 (Ada, Hopper);
-``EngineConfig`` refuses the combination on older GPUs.
-
-A sliding window (``window``, Mistral; chapter 12) is a compile-time switch: with it, each
-sequence's key range starts at ``seq_len - window`` instead of 0 and the splits divide that
-range, so keys outside the window are never read; without it the kernel is unchanged.
+Numerics: under the Triton interpreter (CPU) bf16 arithmetic is wrong, so bf16 tiles are upcast
+to fp32 before ``tl.dot``; on a GPU fp16/bf16 tiles go to the tensor cores as they are (``q``
+and the softmax weights rounded to the cache dtype, fp32 accumulation, as in flash-attention);
+fp32 caches use exact fp32 dots. An fp8 cache (chapter 08) holds ``K / k_scale`` and
+``V / v_scale``: each tile is widened to ``q``'s dtype after loading (exact), ``k_scale`` joins
+the softmax scale and ``v_scale`` multiplies the output; Triton converts e4m3 only on compute
+capability >= 8.9. A sliding window (chapter 12) is a compile-time switch that starts each key
+range at ``seq_len - window``, so keys outside it are never read.
 """
 
 from __future__ import annotations
@@ -242,17 +210,9 @@ def _decode_split_kernel(
 
 
 def decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    num_splits: int | None = None,
-    *,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-    window: int | None = None,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
+    block_tables: torch.Tensor, scale: float, num_splits: int | None = None, *,
+    k_scale: float = 1.0, v_scale: float = 1.0, window: int | None = None,
     launch: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """One query token per sequence attends to its whole paged KV history.
@@ -320,43 +280,18 @@ def decode_attention(
     dot_fp32 = dot_dtype == torch.float32 or (dot_dtype == torch.bfloat16 and not on_gpu)
 
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q,
-        k_cache,
-        v_cache,
-        seq_lens,
-        block_tables,
-        out,
-        m_part,
-        l_part,
-        acc_part,
+        q, k_cache, v_cache, seq_lens, block_tables, out, m_part, l_part, acc_part,
         scale * k_scale * LOG2E,  # k_scale folded in: see the kernel's last comment
-        float(v_scale),
-        num_splits,
-        window or 0,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim,
-        D_PAD=d_pad,
-        PAGE=page,
-        BLOCK_N=block_n,
-        SINGLE_SPLIT=single,
-        FP8_KV=fp8_kv,
+        float(v_scale), num_splits, window or 0,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        D_PAD=d_pad, PAGE=page, BLOCK_N=block_n, SINGLE_SPLIT=single, FP8_KV=fp8_kv,
         DOT_FP32=dot_fp32,
         PRECISION="ieee" if dot_fp32 else "tf32",  # fp32: exact products; half inputs ignore it
-        HAS_WINDOW=window is not None,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        HAS_WINDOW=window is not None, num_warps=num_warps, num_stages=num_stages,
     )
     if not single:
         combine_splits(m_part, l_part, acc_part, out)

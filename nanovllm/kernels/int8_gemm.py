@@ -1,32 +1,15 @@
-"""W8A16 matmul: int8 weights, dequantized in registers (a Triton kernel; chapter 08).
+"""W8A16 matmul: int8 weights, dequantized in registers (a Triton kernel; chapter 08 §4).
 
-``y = x @ (w * scale[:, None]).T (+ bias)`` for activations ``x`` ``[M, K]`` (fp32, fp16 or
-bf16), int8 weight codes ``w`` ``[N, K]`` and float32 per-output-channel scales ``[N]``.
-
-Why a kernel of our own: the point of int8 weights is to move half the bytes of bf16 from
-memory, so the codes must reach the multiply as int8 and be widened only in registers. Each
-program computes a ``BLOCK_M x BLOCK_N`` tile of ``y``: it walks K in ``BLOCK_K`` steps,
-loads an ``x`` tile and an int8 ``w`` tile, widens the codes to ``x``'s dtype (exact:
-|code| <= 127 fits every float type) and accumulates ``tl.dot`` in fp32. The scale is
-constant along K, so it multiplies the fp32 accumulator once at the end, not every weight.
-
-Two regimes, two tile shapes (``pick_config``):
-
-- decode (M <= 16 rows): the weight is read once and each code is used by few rows, so the
-  step is bound by memory bandwidth; what matters is enough programs in flight to keep every
-  SM streaming. Narrow N tiles, and *split-K*: the K range is cut into ``split_k`` slices
-  whose fp32 partial tiles land in a workspace and are summed afterwards (a deterministic
-  ``sum``, not atomics, so a rerun gives the same bits);
-- prefill (many rows): each loaded weight tile serves many rows; big square tiles and a
-  grouped launch order (``GROUP_M`` row tiles share a column of weight tiles while it sits
-  in L2) make it compute bound like a bf16 GEMM.
-
-The tile sizes are a first guess, not tuned on the H200 yet (``python -m
-nanovllm.benchmarks.quantization --sweep-int8`` times a grid of them on the Qwen3 layer shapes
-and prints the best). Runs on a GPU, or on CPU tensors under the Triton interpreter
-(``TRITON_INTERPRET=1`` set before triton is imported; bf16 inputs are widened to fp32 there
-before the dot, as the interpreter's bf16 math is wrong). Used by
-``nanovllm/layers/quantization/int8.py``.
+``y = x @ (w * scale[:, None]).T (+ bias)`` for ``x`` ``[M, K]`` (fp32, fp16 or bf16), int8
+codes ``w`` ``[N, K]`` and float32 per-output-channel scales ``[N]``. The codes reach the
+multiply as int8 and are widened to ``x``'s dtype in registers (exact: |code| <= 127); ``tl.dot``
+accumulates in fp32 and the scale, constant along K, multiplies the accumulator once at the end.
+``pick_config``: decode (M <= 16) is bandwidth bound, so narrow N tiles and split-K, whose fp32
+partials are summed afterwards (a deterministic ``sum``, not atomics: a rerun gives the same
+bits); prefill takes big tiles in a grouped launch order (``GROUP_M`` row tiles share weight
+tiles while they sit in L2). The tiles are a first guess, not tuned on the H200 yet
+(``python -m nanovllm.benchmarks.quantization --sweep-int8``). Under the Triton interpreter bf16
+inputs are widened to fp32 before the dot, as the interpreter's bf16 math is wrong.
 """
 
 from __future__ import annotations
@@ -141,10 +124,7 @@ def pick_config(m: int, n: int, k: int, num_sms: int) -> Int8GemmConfig:
 
 
 def int8_gemm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
     config: Int8GemmConfig | None = None,
 ) -> torch.Tensor:
     """``x @ (weight * scale[:, None]).T + bias`` in ``x``'s dtype.
@@ -173,29 +153,15 @@ def int8_gemm(
     target = out if split_k == 1 else torch.empty((split_k, m, n), device=x.device)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split_k)
     _int8_gemm_kernel[grid](
-        x,
-        weight,
-        scale.float().contiguous(),
+        x, weight, scale.float().contiguous(),
         bias if bias is not None else scale,  # (not read without HAS_BIAS)
-        target,
-        m,
-        n,
-        k,
-        k_per_split,
-        x.stride(0),
-        weight.stride(0),
-        target.stride(0) if split_k > 1 else 0,
-        target.stride(-2),
-        HAS_BIAS=bias is not None,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m,
+        target, m, n, k, k_per_split, x.stride(0), weight.stride(0),
+        target.stride(0) if split_k > 1 else 0, target.stride(-2),
+        HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        DOT_IN_FP32=interpreted_bf16(x),
-        INTERPRETED_BF16=interpreted_bf16(target),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        DOT_IN_FP32=interpreted_bf16(x), INTERPRETED_BF16=interpreted_bf16(target),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split_k > 1:
         out.copy_(target.sum(dim=0))  # fixed order: the same bits on every run

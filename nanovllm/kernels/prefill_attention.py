@@ -1,42 +1,19 @@
-"""Causal prefill attention over the paged KV cache, as one Triton kernel.
+"""Causal prefill attention over the paged KV cache, as one Triton kernel (chapter 02 §5).
 
-Taught in chapter 02 (``chapters/02_attention``); this is the prefill path of the
-``triton`` attention backend (``nanovllm/layers/attention.py`` dispatches to it).
+The prefill path of the ``triton`` attention backend. The batch packs the new tokens of B
+sequences back to back (``cu_seqlens_q``), their keys and values already in the cache after
+any cached prefix: query ``i`` of sequence ``b`` sits at position ``seq_lens_k[b] - q_len_b + i``.
+One program takes BLOCK_M query rows of one (sequence, head) and walks the keys in tiles of
+BLOCK_N with an online softmax in fp32 (base 2, log2(e) folded into the scale): the tiles every
+row may see run unmasked, the few that cross the diagonal apply the causal mask, and tiles
+above it are never visited. Key positions past a sequence's end are masked before their block
+id is read, so the table's ``-1`` padding is never dereferenced. GQA: query head ``h`` reads
+KV head ``h // (num_heads // num_kv_heads)``. An fp8 cache (chapter 08) is widened to q's
+dtype after loading (exact); ``k_scale`` joins the softmax scale, ``v_scale`` the output.
 
-The batch packs the new tokens of B sequences back to back (``cu_seqlens_q``). Their
-keys and values are already written to the paged cache, after any cached prefix, so
-sequence ``b`` has ``seq_lens_k[b]`` keys and its query ``i`` sits at absolute position
-``seq_lens_k[b] - q_len_b + i``. One program handles BLOCK_M query rows of one
-(sequence, head):
-
-1. load the query tile once;
-2. walk the keys in tiles of BLOCK_N: look up the cache block in the block table
-   (``block_tables[b, t // block_size]``, row ``t % block_size``) -- one id per tile
-   when BLOCK_N <= block_size, one per key otherwise -- and load K and V;
-3. keep the softmax online, in fp32: a running max ``m``, a running sum ``l`` and an
-   unnormalised output ``acc``; each new tile rescales the old ones by
-   ``exp(m_old - m_new)``, so the full score row never exists in memory;
-4. the key tiles that every row of the query tile may see run without a mask; the
-   (at most ceil(BLOCK_M / BLOCK_N) + 1) tiles that cross the diagonal apply the causal
-   mask; the loop stops at the last key the tile's last row may see, so tiles above the
-   diagonal are never visited;
-5. write ``acc / l``.
-
-Scores use ``exp2`` with log2(e) folded into the softmax scale. Key positions past the
-end of the sequence are masked before their block id is read, so the table's ``-1``
-padding is never dereferenced. Grouped-query attention: query head ``h`` reads KV head
-``h // (num_heads // num_kv_heads)``.
-
-An fp8 cache (e4m3, chapter 08) is widened to q's dtype right after loading (exact); its
-per-layer scales cost nothing inside the loop: ``k_scale`` joins the softmax scale and
-``v_scale`` multiplies the final output (both are constants of the whole cache).
-
-A sliding window (``window``, Mistral; chapter 12) lets query position ``p`` see keys
-``p - window < t <= p`` only. It is a compile-time switch: without it the kernel is the one
-above, unchanged. With it, the key loop starts at the first key the tile's first row may see
-(tiles wholly before the window are never loaded), every tile applies both masks, and a row
-whose first tiles lie wholly outside its window keeps its running max at a safe 0 until it
-meets a visible key, so no ``-inf - (-inf)`` NaN appears.
+A sliding window (chapter 12) is a compile-time switch: the key loop then starts at the first
+key the tile's first row may see and every tile applies both masks; a row that has seen no
+visible key yet keeps its running max at a safe 0, so no ``-inf - (-inf)`` NaN appears.
 """
 
 from __future__ import annotations
@@ -279,20 +256,10 @@ def _is_pow2(x: int) -> bool:
 
 
 def prefill_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens_k: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    max_seqlen_q: int,
-    *,
-    out: torch.Tensor | None = None,
-    tiles: tuple[int, int, int, int] | None = None,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-    window: int | None = None,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+    seq_lens_k: torch.Tensor, block_tables: torch.Tensor, scale: float, max_seqlen_q: int, *,
+    out: torch.Tensor | None = None, tiles: tuple[int, int, int, int] | None = None,
+    k_scale: float = 1.0, v_scale: float = 1.0, window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens over their sequences' paged K/V.
 
@@ -351,38 +318,17 @@ def prefill_attention(
     num_m_tiles = triton.cdiv(max_seqlen_q, tile_m)
     grid = (num_m_tiles, num_heads, batch)
     _prefill_attention_kernel[grid](
-        q,
-        k_cache,
-        v_cache,
-        out,
-        cu_seqlens_q,
-        seq_lens_k,
-        block_tables,
-        scale * k_scale * math.log2(math.e),
-        float(v_scale),
-        num_m_tiles,
-        window or 0,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        out.stride(0),
-        out.stride(1),
-        block_tables.stride(0),
-        GROUP=num_heads // num_kv_heads,
-        HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size,
-        BLOCK_M=tile_m,
-        BLOCK_N=tile_n,
+        q, k_cache, v_cache, out, cu_seqlens_q, seq_lens_k, block_tables,
+        scale * k_scale * math.log2(math.e), float(v_scale), num_m_tiles, window or 0,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1), block_tables.stride(0),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_M=tile_m, BLOCK_N=tile_n,
         # fp32 keeps fp32 dots (IEEE, no TF32). The interpreter computes bf16 wrongly, so
         # there bf16 is upcast after loading; on a GPU bf16/fp16 go to the tensor cores.
         DOT_FP32=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and q.device.type == "cpu"),
-        HAS_WINDOW=window is not None,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        HAS_WINDOW=window is not None, num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -1,24 +1,12 @@
-"""Fused residual add + RMSNorm (a Triton kernel).
+"""Fused residual add + RMSNorm, as one Triton kernel (chapter 11 counts what it saves).
 
-Every sub-layer of a decoder block starts the same way: add the sub-layer's output to the
-residual stream, then RMSNorm the sum for the next sub-layer. In PyTorch that is nine small
-kernels in bf16 (the add, two casts, square, mean, ``+ eps``, rsqrt, two multiplies), each
-reading and writing the whole ``[T, D]`` activation. In a small-batch decode step those
-launches, not the bytes, are what the GPU waits for; this kernel does the whole step in one.
-
-One program handles one token row: it loads ``x`` (and ``residual``), writes the sum
-``s = x + residual`` back into ``residual`` (the stream the next layer continues), and stores
-``weight * (s * rsqrt(mean(s^2) + eps))``. The statistic is computed in fp32; the normalised row
-is rounded to the activation dtype before the weight multiplies it, and the product is rounded
-again, which is exactly how the PyTorch path (``nanovllm/layers/norm.py``) rounds.
-
-Chapter 11 (``chapters/11_performance``) counts the kernels this fusion saves; chapter 01
-teaches RMSNorm and the residual-carrying layer. ``RMSNorm`` (``nanovllm/layers/norm.py``) uses
-the kernel once ``set_fused_kernels`` switches it on (``nanovllm/layers/fused.py``).
-
-Runs on a GPU, or on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1`` set before
-``triton`` is imported). The arithmetic is fp32; results are rounded by ``round_to``
-(``nanovllm/kernels/__init__.py``), which also corrects the interpreter's bf16 rounding.
+In PyTorch the add and the norm are nine small bf16 kernels, each reading and writing the whole
+``[T, D]`` activation; in a small-batch decode step those launches are what the GPU waits for.
+One program per token row writes ``s = x + residual`` back into ``residual`` and stores
+``weight * (s * rsqrt(mean(s^2) + eps))``: the statistic in fp32, the normalised row rounded to
+the activation dtype before the weight multiplies it and the product rounded again, exactly as
+the PyTorch path (``layers/norm.py``, chapter 01) rounds. ``round_to`` (``kernels/__init__.py``)
+also corrects the interpreter's bf16 rounding.
 """
 
 from __future__ import annotations
@@ -66,10 +54,7 @@ def _rmsnorm_kernel(
 
 
 def rmsnorm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    residual: torch.Tensor | None = None,
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm the rows of ``x`` ``[T, D]`` (any row stride, contiguous last dimension).
 
@@ -99,17 +84,9 @@ def rmsnorm(
     if num_rows:
         block = triton.next_power_of_2(dim)
         _rmsnorm_kernel[(num_rows,)](
-            x,
-            residual if residual is not None else x,  # unused without a residual
-            weight,
-            y,
-            x.stride(0),
-            residual.stride(0) if residual is not None else 0,
-            y.stride(0),
-            dim,
-            eps,
-            HAS_RESIDUAL=residual is not None,
-            BLOCK=block,
+            x, residual if residual is not None else x, weight, y,  # (x: unused, no residual)
+            x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), dim, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK=block,
             INTERPRETED_BF16=interpreted_bf16(x),
             num_warps=min(max(block // 256, 1), 8),  # about 8 elements per thread
         )

@@ -1,25 +1,11 @@
 """Fused per-head RMSNorm + rotary embedding, in place on the QKV projection (a Triton kernel).
 
-Between the QKV projection and attention, every query and key head is rotated by its token's
-position (RoPE, NeoX layout: channel ``i`` pairs with ``i + d/2``), and Qwen3 first RMSNorms each
-head with a learned weight (``q_norm``/``k_norm``). In PyTorch that is about twenty small kernels
-(views, the norm's chain, table gathers, casts, two halves times cos and sin, a concatenation).
-Here one launch reads each query and key head once, normalises and rotates it in fp32 and
-writes it back where it was, rounded once; value heads are not touched.
-
-The input is the packed projection output ``qkv [T, (H + 2 * Hkv) * d]``: per token, ``H``
-query heads, then ``Hkv`` key heads, then ``Hkv`` value heads. Program ``(t, j)`` handles
-``BLOCK_H`` consecutive heads of token ``t`` among its first ``H + Hkv`` (queries then keys): it
-loads each head as two ``[BLOCK_H, d/2]`` halves ``x1, x2``, and with ``cos, sin`` the table rows
-of the token's position stores ``x1 * cos - x2 * sin`` and ``x2 * cos + x1 * sin``.
-
-Chapter 11 (``chapters/11_performance``) counts the kernels this fusion saves; chapter 01
-teaches RoPE (``nanovllm/layers/rotary.py`` is the PyTorch path and owns the cos/sin tables).
-``SelfAttention`` (``nanovllm/models/llama.py``) uses the kernel once ``set_fused_kernels``
-switches it on (``nanovllm/layers/fused.py``).
-
-Runs on a GPU, or on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1`` set before
-``triton`` is imported).
+Chapter 11 counts the kernels this fusion saves (about twenty small PyTorch kernels become one
+launch); chapter 01 teaches RoPE (``layers/rotary.py`` is the PyTorch path and owns the cos/sin
+tables). On ``qkv [T, (H + 2 * Hkv) * d]`` program ``(t, j)`` takes ``BLOCK_H`` of token ``t``'s
+query and key heads, as two ``[BLOCK_H, d/2]`` halves (NeoX layout: channel ``i`` pairs with
+``i + d/2``); it normalises them (Qwen3's ``q_norm``/``k_norm``) and rotates them in fp32, and
+writes them back where they were, rounded once. Value heads are not touched.
 """
 
 from __future__ import annotations
@@ -86,16 +72,9 @@ def _qk_norm_rope_kernel(
 
 
 def qk_norm_rope_(
-    qkv: torch.Tensor,
-    positions: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    q_weight: torch.Tensor | None = None,
-    k_weight: torch.Tensor | None = None,
-    eps: float = 1e-6,
+    qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    num_heads: int, num_kv_heads: int, head_dim: int, q_weight: torch.Tensor | None = None,
+    k_weight: torch.Tensor | None = None, eps: float = 1e-6,
 ) -> torch.Tensor:
     """Rotate (and, given weights, first RMSNorm) the query and key heads of ``qkv``, in place.
 
@@ -132,22 +111,11 @@ def qk_norm_rope_(
     half_pad = triton.next_power_of_2(head_dim // 2)
     block_h = min(triton.next_power_of_2(rope_heads), max(1, MAX_TILE // half_pad))
     _qk_norm_rope_kernel[(num_tokens, triton.cdiv(rope_heads, block_h))](
-        qkv,
-        positions,
-        cos,
-        sin,
+        qkv, positions, cos, sin,
         q_weight.contiguous() if has_norm else cos,  # unused without the norm
         k_weight.contiguous() if has_norm else cos,
-        qkv.stride(0),
-        cos.stride(0),
-        eps,
-        NUM_HEADS=num_heads,
-        NUM_ROPE_HEADS=rope_heads,
-        HEAD_DIM=head_dim,
-        HALF_PAD=half_pad,
-        BLOCK_H=block_h,
-        HAS_NORM=has_norm,
-        INTERPRETED_BF16=interpreted_bf16(qkv),
-        num_warps=4,
+        qkv.stride(0), cos.stride(0), eps,
+        NUM_HEADS=num_heads, NUM_ROPE_HEADS=rope_heads, HEAD_DIM=head_dim, HALF_PAD=half_pad,
+        BLOCK_H=block_h, HAS_NORM=has_norm, INTERPRETED_BF16=interpreted_bf16(qkv), num_warps=4,
     )
     return qkv

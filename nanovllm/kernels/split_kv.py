@@ -1,14 +1,10 @@
 """Split-KV (flash-decoding): how many chunks to cut each sequence's keys into, and the
 kernel that merges the chunks' partial results (chapter 05 §6).
 
-With few sequences in a decode step, one program per ``(sequence, kv head)`` leaves most SMs
-idle while each walks a long history. ``decode_attention`` (beside this file) then cuts each
-sequence's key range into ``num_splits`` chunks, handled by separate programs. Each writes its
-partial online-softmax state to fp32 buffers (``split_partials``): the running max ``m`` of its
-base-2 scores, the running sum ``l`` and the unnormalized output ``acc``. ``combine_splits``
-merges them with the log-sum-exp rule ``out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s``,
-``M = max_s m_s``. ``choose_num_splits`` decides from shapes alone, so that a CUDA graph can
-capture the call.
+``decode_attention`` cuts each sequence's keys into ``num_splits`` chunks when few sequences
+would leave SMs idle; each chunk's program writes its base-2 online-softmax state ``(m, l, acc)``
+to fp32 buffers (``split_partials``), and ``combine_splits`` merges them with the log-sum-exp
+rule. ``choose_num_splits`` decides from shapes alone, so a CUDA graph can capture the call.
 """
 
 from __future__ import annotations
@@ -127,15 +123,7 @@ def combine_splits(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor,  # noqa:
     head_dim]``, in place: one program per (sequence, query head)."""
     batch, num_heads, num_splits, d_pad = acc.shape
     _combine_splits_kernel[(batch, num_heads)](
-        m,
-        l,
-        acc,
-        out,
-        num_splits,
-        out.stride(0),
-        out.stride(1),
-        HEAD_DIM=out.shape[2],
-        D_PAD=d_pad,
-        SPLITS_PAD=triton.next_power_of_2(num_splits),
+        m, l, acc, out, num_splits, out.stride(0), out.stride(1),
+        HEAD_DIM=out.shape[2], D_PAD=d_pad, SPLITS_PAD=triton.next_power_of_2(num_splits),
         num_warps=4,
     )

@@ -1,25 +1,10 @@
-"""Write the new tokens' keys and values into the paged KV cache (a Triton kernel).
+"""Write the new tokens' keys and values into the paged KV cache (a Triton kernel; chapter 05).
 
-Every forward step produces keys and values for the tokens it just processed. Before attention
-runs they are copied into the paged cache: token ``i`` goes to the flat *slot*
-``slot_mapping[i] = block_id * block_size + row``, i.e. to ``cache[block_id, row]`` for all KV
-heads at once. The block manager chose the slots; this kernel only moves bytes. A slot of ``-1``
-means "skip this token": the rows a CUDA-graph batch is padded with have no place in the cache.
-
-One program handles one token: it loads the token's ``[num_kv_heads, head_dim]`` key and value
-tiles (any row stride, so a slice of a fused QKV projection works without a copy) and stores
-them, cast to the cache's dtype, into the block and row its slot names.
-
-An fp8 cache (``torch.float8_e4m3fn``, ``kv_cache_dtype="fp8"``, chapter 08) stores
-``clamp(x / scale, -448, 448)`` rounded to e4m3, with one scale for K and one for V per layer
-(``k_scale``, ``v_scale``; see ``nanovllm/layers/quantization/kv_cache.py`` for why), bit for
-bit what the torch path stores.
-
-Taught in chapter 05 (``chapters/05_paged_attention_kernel``). This is the ``triton`` attention
-backend's cache-write path; the ``torch`` backend does the same with ``index_copy_``.
-
-Runs on a GPU, or on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1`` set before
-``triton`` is imported).
+Token ``i`` goes to the flat slot ``slot_mapping[i] = block_id * block_size + row`` chosen by
+the block manager, for all KV heads at once; slot ``-1`` (a CUDA-graph padding row) is skipped.
+One program per token; any row stride, so a slice of a fused QKV projection needs no copy. An
+fp8 cache (chapter 08) stores ``clamp(x / scale, -448, 448)`` rounded to e4m3, one scale each
+for K and V per layer, bit for bit what the torch backend stores (``quantization/kv_cache.py``).
 """
 
 from __future__ import annotations
@@ -87,13 +72,8 @@ def _store_kv_kernel(
 
 
 def store_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> None:
     """Copy ``key``/``value`` ``[N, num_kv_heads, head_dim]`` into the paged caches, in place.
 
@@ -126,28 +106,12 @@ def store_kv(
     if n == 0:
         return
     _store_kv_kernel[(n,)](
-        key,
-        value,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        key.stride(0),
-        key.stride(1),
-        value.stride(0),
-        value.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        block_size,
-        float(k_scale),
-        float(v_scale),
-        NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim,
-        H_PAD=triton.next_power_of_2(num_kv_heads),
-        D_PAD=triton.next_power_of_2(head_dim),
-        FP8=k_cache.dtype == torch.float8_e4m3fn,
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_size, float(k_scale), float(v_scale),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, H_PAD=triton.next_power_of_2(num_kv_heads),
+        D_PAD=triton.next_power_of_2(head_dim), FP8=k_cache.dtype == torch.float8_e4m3fn,
         INTERPRETED=key.device.type != "cuda",
     )

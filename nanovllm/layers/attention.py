@@ -1,13 +1,10 @@
 """The attention layer (chapters 02, 04 and 05): paged attention through a backend.
 
-The layer stores the step's new keys and values into the paged cache, then attends over
-everything cached for each sequence, both through its *backend* (``attention_backends.py``:
-``torch``, ``triton`` or ``flash_attn``). A layer takes its backend when it is built: the
-model runner builds the model inside ``building_with(backend)``, so every layer shares the
-one backend it selected; a model built anywhere else gets the torch reference.
-
-A layer built with ``sliding_window`` (Mistral, chapter 12) passes ``window=`` to its
-backend's ``attend``: every query then sees only its last ``window`` keys.
+The layer stores the step's new keys and values into the paged cache, then attends over each
+sequence's cache, both through its backend (``attention_backends.py``), which it takes when it
+is built: the model runner builds the model inside ``building_with(backend)``; a model built
+anywhere else gets the torch reference. ``sliding_window`` (Mistral, chapter 12) passes
+``window=`` to ``attend``: each query then sees only its last ``window`` keys.
 """
 
 from __future__ import annotations
@@ -25,8 +22,7 @@ from nanovllm.layers.attention_backends import AttentionBackend, TorchBackend
 
 # The backend that attention layers built now take (None: the torch reference).
 _backend_for_new_layers: ContextVar[AttentionBackend | None] = ContextVar(
-    "backend_for_new_layers", default=None
-)
+    "backend_for_new_layers", default=None)
 
 
 @contextmanager
@@ -42,14 +38,8 @@ def building_with(backend: AttentionBackend) -> Iterator[None]:
 class Attention(nn.Module):
     """Paged attention for one layer; the model runner binds its cache tensors."""
 
-    def __init__(
-        self,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        scale: float,
-        sliding_window: int | None = None,
-    ) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale

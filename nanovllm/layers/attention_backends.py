@@ -1,30 +1,15 @@
 """The attention backends, in one registry (chapters 02, 05, 08 and 11).
 
-An attention layer stores the step's new keys and values into the paged cache, then attends
-over everything cached for each sequence. The code that does both is its *backend*:
-
-- ``torch``: the PyTorch reference (``torch_attention.py``), any device;
-- ``triton``: our Triton kernels (``nanovllm/kernels``), CUDA (or CPU under the interpreter);
-- ``flash_attn``: FlashAttention-4's CuTe-DSL kernels (optional package ``flash-attn-4``)
-  on Hopper or newer GPUs, bf16/fp16, no fp8 cache (``flash_attention.py``).
-
-Each backend is a class in ``BACKENDS``. Its ``check(config, device)`` says, before anything
-is built, why it cannot run a configuration (``None``: it can); ``EngineConfig`` calls it
-through ``resolve_backend``, so a bad combination fails before any weight is loaded. Its
-constructor takes the KV-cache dtype and imports what it needs once; ``store_kv`` and
-``attend`` then only compute. ``uses_fused_kernels`` says whether the model's norm, RoPE and
-activation run as fused Triton kernels beside it (``fused.py``), ``cuda_graphs`` whether its
-steps make no host sync, so the model runner may capture decode steps in CUDA graphs.
-
-``attention_backend="auto"`` takes Triton on CUDA (where triton is installed) and torch
-elsewhere; it never picks ``flash_attn`` (chapter 11 compares the two on an H200), nor trades
-the GPU kernels for the slow reference silently: an error names the fix instead.
-
-With ``kv_cache_dtype="fp8"`` (chapter 08) the cache holds e4m3 values, ``K / k_scale`` and
-``V / v_scale``: the Triton kernels read it directly (``store_kv`` quantizes, decode and
-prefill widen each tile on load and fold the scales into the softmax scale and the output);
-the torch backend quantizes on store and dequantizes the blocks a step uses
-(``quantization/kv_cache.py``).
+A backend stores a step's new keys and values into the paged cache and attends over each
+sequence's cache: ``torch``, the PyTorch reference (any device); ``triton``, our kernels (CUDA,
+or CPU under the interpreter); ``flash_attn``, FlashAttention-4 (``flash_attention.py``). Each
+class's ``check(config, device)`` says why it cannot run a configuration before anything is
+built (``EngineConfig`` calls it through ``resolve_backend``); its constructor imports what it
+needs once, so ``store_kv`` and ``attend`` only compute. ``"auto"`` takes Triton on CUDA where
+it is installed and torch elsewhere: never ``flash_attn`` (chapter 11 §4.5 says why), and never
+the slow reference in place of the GPU kernels silently. An fp8 cache (chapter 08 §7): the
+Triton kernels read e4m3 themselves; the torch backend quantizes on store and dequantizes the
+blocks a step uses (``quantization/kv_cache.py``).
 """
 
 from __future__ import annotations
@@ -71,9 +56,8 @@ class AttentionBackend(Protocol):
         """Why this backend cannot run ``config`` on ``device``; ``None`` if it can."""
         ...
 
-    def store_kv(
-        self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
-    ) -> None:
+    def store_kv(self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
+                 slot_mapping: Tensor) -> None:
         """Write each new token's key and value into its cache slot (slot -1: skip)."""
         ...
 
@@ -98,9 +82,8 @@ class TorchBackend:
     def check(cls, config: BackendSettings, device: torch.device) -> str | None:
         return None  # any device, dtype, block size and cache dtype
 
-    def store_kv(
-        self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
-    ) -> None:
+    def store_kv(self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
+                 slot_mapping: Tensor) -> None:
         if self.kv_cache_dtype == "fp8":
             key, value = quantize_kv(key, self.k_scale), quantize_kv(value, self.v_scale)
         torch_attention.store_kv(key, value, k_cache, v_cache, slot_mapping)
@@ -157,9 +140,8 @@ class TritonBackend:
             )
         return None
 
-    def store_kv(
-        self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
-    ) -> None:
+    def store_kv(self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
+                 slot_mapping: Tensor) -> None:
         self.store_kernel(key, value, k_cache, v_cache, slot_mapping,
                           k_scale=self.k_scale, v_scale=self.v_scale)
 

@@ -1,46 +1,35 @@
 """The ``flash_attn`` attention backend: FlashAttention-4 over our paged KV cache (chapters 02,
 05 and 11 measure it against our Triton kernels).
 
-FlashAttention's CuTe-DSL implementation is the package ``flash-attn-4`` (pre-releases only:
-``pip install --pre flash-attn-4``), imported as ``flash_attn.cute``; this module imports it
-only when the backend is built (``FlashAttnBackend.check`` needs no import). What the backend
-relies on, read in the source of 4.0.0b36 (``flash_attn/cute/interface.py``, ``paged_kv.py``,
-``block_info.py``, ``mask.py``):
+The package is ``flash-attn-4`` (pre-releases: ``pip install --pre flash-attn-4``), imported as
+``flash_attn.cute`` only when the backend is built. What the backend relies on, read in the
+source of 4.0.0b36 (``flash_attn/cute/interface.py``, ``paged_kv.py``, ``block_info.py``,
+``mask.py``):
 
 - ``flash_attn_varlen_func(q, k, v, cu_seqlens_q=, max_seqlen_q=, seqused_k=, page_table=,
-  softmax_scale=, causal=, window_size=(left, right), num_splits=)`` returns ``(out, lse)``:
-  ``out`` ``[total_q, H, d]`` in q's dtype, allocated by the call (``lse`` is None unless
-  asked for). q may be a strided view (16-byte aligned rows); it is not copied.
-- Paged K/V: ``k``, ``v`` are ``[num_pages, page_size, Hkv, d]``, exactly our per-layer cache
-  views, so nothing is copied or re-laid out. ``page_table`` ``[B, max_pages]`` int32 with a
-  contiguous last dimension is our block tables as they are (entries past a sequence's
-  ``ceil(seqused_k / page_size)`` pages, our -1 padding, are never dereferenced);
-  ``seqused_k`` ``[B]`` int32 is our ``seq_lens_k``; ``cu_seqlens_k`` must then be None.
-- Causal masks are aligned bottom-right: query i of Lq sees keys up to ``Lk - Lq + i``, our
-  convention, so one call serves decodes, whole prompts and chunks after a cached prefix
-  (prefix-cache hits included) packed in any order.
-- GQA: H a multiple of Hkv (query heads of one KV head are packed into one tile). Scale:
-  ``softmax_scale``. Window: ``window_size=(W - 1, 0)`` with ``causal=True`` keeps the last
-  W keys, the query's own included (Mistral's definition, ``torch_attention``'s).
-- dtypes: fp16 and bf16 (fp8 only on SM100 and with q in fp8 too; no fp32). head_dim 8..256,
-  a multiple of 8, on SM90.
-- GPUs: a page table is accepted on SM90 (Hopper) and SM100/SM110 (datacenter Blackwell);
-  SM80 and SM120 refuse it. Any page size; pages of exactly one key tile (128 for d=128 on
-  SM90) load by TMA, which reads whole pages, also a last page's rows past ``seqused_k``
-  (masked, but they must be finite: our cache starts zeroed and receives finite values only).
-- No split-KV on SM90 (``num_splits`` must be 1): a decode batch runs ``B * Hkv`` tiles, so
-  small batches leave most SMs idle (our Triton decode kernel splits the keys instead).
-- Each new variant compiles on first use (seconds); ``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1``
-  keeps compiled kernels on disk. The call makes no host sync and launches on the current
-  stream, so it can be captured in a CUDA graph. Rows with ``seqused_k = 0`` (our graph
-  padding) are allowed: they attend to nothing (a TMA-paged row looks up one neighbouring
-  page-table entry, and TMA zero-fills a page out of range).
-- Host cost: the Python wrapper validates and builds its arguments on every call, which
-  CUDA graphs hide for decode steps but not for the eager prefill and mixed steps
-  (``host_us`` in ``nanovllm/benchmarks/attention_backends.py``). SM100 is untried here.
+  softmax_scale=, causal=, window_size=(left, right), num_splits=)`` returns ``(out, lse)``,
+  ``out`` ``[total_q, H, d]`` in q's dtype; q may be a strided view (16-byte aligned rows).
+- Paged K/V ``[num_pages, page_size, Hkv, d]`` are our per-layer cache views, ``page_table``
+  ``[B, max_pages]`` int32 our block tables (entries past ``ceil(seqused_k / page_size)``, our
+  -1 padding, are never dereferenced), ``seqused_k`` our ``seq_lens_k``: nothing is copied.
+- Causal masks align bottom-right (query i of Lq sees keys up to ``Lk - Lq + i``), so one call
+  serves decodes, prompts and chunks after a cached prefix in any order. GQA: H a multiple of
+  Hkv. ``window_size=(W - 1, 0)`` with ``causal=True`` keeps the last W keys, the query's own
+  included (Mistral's and ``torch_attention``'s definition).
+- fp16 and bf16 only (fp8 only on SM100 with q in fp8 too); head_dim 8..256, a multiple of 8.
+  A page table is accepted on SM90 and SM100/SM110, refused on SM80 and SM120. Any page size;
+  pages of one key tile (128 for d=128 on SM90) load by TMA, which reads whole pages, rows
+  past ``seqused_k`` too (masked, but they must be finite: our cache starts zeroed and
+  receives finite values only).
+- No split-KV on SM90 (``num_splits=1``): a small decode batch leaves most SMs idle.
+- Each variant compiles on first use (``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1`` keeps them
+  on disk). No host sync and the current stream, so CUDA graphs capture it; rows with
+  ``seqused_k = 0`` (graph padding) attend to nothing. The Python wrapper's host cost per call
+  is hidden by graphs in decode steps, not in eager prefill and mixed steps (``host_us`` in
+  ``nanovllm/benchmarks/attention_backends.py``). SM100 is untried here.
 
-New keys and values are stored by our Triton ``store_kv`` kernel (flash-attn-4 has no
-store), and the fused Triton norm/RoPE/activation kernels stay on (``uses_fused_kernels``).
+Our Triton ``store_kv`` stores new keys and values (flash-attn-4 has none), and the fused
+Triton norm/RoPE/activation kernels stay on.
 """
 
 from __future__ import annotations
@@ -70,9 +59,8 @@ def package_installed(module: str) -> bool:
         return False
 
 
-def varlen_kwargs(
-    meta: AttentionMetadata, scale: float, window: int | None = None
-) -> dict[str, Any]:
+def varlen_kwargs(meta: AttentionMetadata, scale: float,
+                  window: int | None = None) -> dict[str, Any]:
     """The keyword arguments of ``flash_attn_varlen_func`` for one packed step.
 
     Views of the step's metadata only (no copy, no host sync): the same tensors a captured
@@ -119,13 +107,7 @@ class FlashAttnBackend:
 
     @classmethod
     def check(cls, config: Any, device: torch.device) -> str | None:
-        """Why ``attention_backend="flash_attn"`` cannot run ``config`` (``BackendSettings``:
-        an ``EngineConfig``) on ``device``; ``None`` if it can.
-
-        Checked in order: a CUDA device, a GPU whose kernels take a page table (Hopper or
-        datacenter Blackwell), the packages (flash-attn-4, and triton for ``store_kv``), the
-        dtype, the KV-cache dtype and the block size.
-        """
+        """Why this backend cannot run ``config`` (an ``EngineConfig``) on ``device``; or None."""
         device = torch.device(device)
         name = "attention_backend='flash_attn' (FlashAttention-4, package flash-attn-4)"
         if device.type != "cuda":
@@ -154,9 +136,8 @@ class FlashAttnBackend:
                     f"{MIN_BLOCK_SIZE}")
         return None
 
-    def store_kv(
-        self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
-    ) -> None:
+    def store_kv(self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
+                 slot_mapping: Tensor) -> None:
         self.store_kernel(key, value, k_cache, v_cache, slot_mapping)
 
     def attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,

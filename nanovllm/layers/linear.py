@@ -1,22 +1,16 @@
 """Linear layers that know how to load (a shard of) their checkpoint weights.
 
-Chapter 01 introduces the packed projections; chapter 09 the tensor-parallel split.
-Every weight carries a ``weight_loader(param, loaded, shard_id=None)``, so the checkpoint
-loader is one generic loop: it never needs to know how a layer packs or shards weights.
-Each loader first checks that the checkpoint tensor has the full (unsharded) shape it
-expects: ``narrow`` and ``copy_`` would otherwise quietly take a slice of a tensor that is
-too big, or broadcast one that is too small.
-
-- ``ColumnParallelLinear`` splits the output features across ranks;
-- ``MergedColumnParallelLinear`` packs several projections of one input (gate and up);
-- ``QKVParallelLinear`` packs q, k and v, splitting heads across ranks;
-- ``RowParallelLinear`` splits the input features and sums partial outputs.
-
-Quantization (chapter 08) plugs in after loading: ``nanovllm.layers.quantization`` replaces
-a layer's ``weight`` with int8/fp8 codes plus ``weight_scale`` and sets ``quant_method``,
-whose ``apply`` then does the matmul. Scales are per output channel, so each tensor-parallel
-rank's scales are its own rows' (column-parallel) or its own partial sums' (row-parallel:
-each rank applies its scales before the all-reduce), and sharding never mixes them.
+Chapter 01 introduces the packed projections; chapter 09 §2 the tensor-parallel split. Every
+weight carries a ``weight_loader(param, loaded, shard_id=None)``, so the checkpoint loader is one
+generic loop that never needs to know how a layer packs or shards weights. Each loader first
+checks that the checkpoint tensor has the full (unsharded) shape it expects: ``narrow`` and
+``copy_`` would otherwise quietly take a slice of a tensor that is too big, or broadcast one that
+is too small. ``ColumnParallelLinear`` splits the output features across ranks (packed:
+``MergedColumnParallelLinear`` for gate and up, ``QKVParallelLinear`` for q, k and v, by heads);
+``RowParallelLinear`` splits the input features and sums partial outputs. Quantization
+(chapter 08) plugs in after loading: ``quant_method.apply`` does the matmul; its scales are per
+output channel, so a rank's scales are its own rows' (column-parallel) or apply to its own
+partial sums before the all-reduce (row-parallel), never mixed by sharding.
 """
 
 from __future__ import annotations
@@ -117,9 +111,8 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[
-            shard_id
-        ]
+        offset, size = {"q": (0, q_size), "k": (q_size, kv_size),
+                        "v": (q_size + kv_size, kv_size)}[shard_id]
         check_shape(loaded, size * tp_size(), *param.shape[1:])
         part = loaded.narrow(0, tp_rank() * size, size)
         param.data.narrow(0, offset, size).copy_(part)

@@ -1,42 +1,20 @@
-"""Shaping the logits before sampling: vLLM's request-level rules (chapter 01).
+"""Shaping the logits before sampling: vLLM's request-level rules (chapter 01 §2.6 states them).
 
-Each rule edits the raw scores ``l[r, v]`` of row r (one request) and token v:
+Allowed tokens (a listed row keeps only its listed tokens), banned tokens (``min_tokens``' EOS
+and stop ids, one-token bad words), bad sequences (ban ``w_n`` when the last ``n - 1``
+*generated* tokens are ``w_1..w_{n-1}``; as in vLLM a word begun in the prompt is not caught),
+logit bias (OpenAI's), the repetition penalty (Hugging Face's ``RepetitionPenaltyLogitsProcessor``
+and vLLM's: ``l / p`` if ``l > 0`` else ``l * p`` over prompt and output tokens), and frequency
+and presence penalties over generated counts (OpenAI's). Order, as vLLM v1's
+``Sampler.apply_logits_processors`` (``vllm/v1/sample/sampler.py``) then ``apply_penalties``
+(``vllm/model_executor/layers/utils.py``): allowed, bans, bad words, bias, penalties. Bans and a
+finite bias commute, so every ban goes before the bias.
 
-* **allowed tokens** (vLLM's ``allowed_token_ids``): a listed row keeps only its listed
-  tokens, ``l[r, v] = -inf`` for every other v.
-* **banned tokens**: ``l[r, v] = -inf``. The engine lists here what ``min_tokens`` forbids
-  (EOS and stop ids while fewer than ``min_tokens`` tokens are out) and the one-token bad
-  words.
-* **bad sequences** (vLLM's ``bad_words`` rule for words of several tokens ``w_1..w_n``):
-  ban ``w_n`` when the row's last ``n - 1`` generated tokens are ``w_1..w_{n-1}``. Only
-  generated tokens count (as in vLLM): a prefix longer than the output never matches, so
-  a word begun at the end of the prompt is not caught.
-* **logit bias** (OpenAI's ``logit_bias``): ``l[r, v] += b``. A finite bias cannot lift a
-  banned token back from -inf.
-* **repetition penalty** p (Keskar et al., 2019, in the form of Hugging Face's
-  ``RepetitionPenaltyLogitsProcessor`` and vLLM): for every token seen in the prompt or the
-  output, ``l = l / p`` if ``l > 0`` else ``l * p``, so p > 1 always makes it less likely.
-* **frequency and presence penalties** (OpenAI's definition), with ``c[r, v]`` the number
-  of times v was *generated* (the prompt does not count):
-  ``l -= frequency * c + presence * (c > 0)``.
-
-Order, as vLLM v1's ``Sampler.apply_logits_processors`` (``vllm/v1/sample/sampler.py``):
-allowed-token mask, bad words, the built-in processors that can change the arg-max
-(min_tokens, then logit bias), then ``apply_penalties`` (repetition, frequency, presence,
-``vllm/model_executor/layers/utils.py``). Bans and a finite bias commute, so this module
-applies every ban (bad words and min_tokens) before the bias.
-
-Everything is batched tensor code with no host synchronisation (no ``.item()``, no
-boolean-mask indexing, no loop over rows), so it can run after a CUDA-graph replay
-under async scheduling. Token ids padded with -1 never count. Only the token counts of
-the frequency and presence penalties take a [B, V] buffer; the other rules touch just the
-listed tokens (gather, then scatter or index_put).
-
-A row whose every token ends at -inf (say its allowed tokens are all banned by min_tokens
-or bad words) is left that way: its softmax is NaN and the token drawn from it is
-meaningless. The engine must never build such a row (it is a contradiction in the
-request, to reject when the request arrives); no guard here, since a guard would hide that
-bug and cost a full [B, V] reduction on every step.
+Batched tensor code with no host sync (no ``.item()``, boolean-mask indexing or loop over rows),
+so it can follow a CUDA-graph replay under async scheduling; token ids padded with -1 never
+count; only the frequency/presence counts take a [B, V] buffer. A row left all -inf (its allowed
+tokens all banned) samples a meaningless token: the engine must reject such a request when it
+arrives; a guard here would hide that bug and cost a [B, V] reduction every step.
 """
 
 from __future__ import annotations
@@ -99,15 +77,9 @@ def _keep_only_allowed(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.T
     logits.index_put_((rows, tokens), kept)
 
 
-def _ban_bad_sequences(
-    logits: torch.Tensor,
-    output_ids: torch.Tensor,
-    output_lens: torch.Tensor,
-    rows: torch.Tensor,
-    prefixes: torch.Tensor,
-    prefix_lens: torch.Tensor,
-    last_tokens: torch.Tensor,
-) -> None:
+def _ban_bad_sequences(logits: torch.Tensor, output_ids: torch.Tensor, output_lens: torch.Tensor,
+                       rows: torch.Tensor, prefixes: torch.Tensor, prefix_lens: torch.Tensor,
+                       last_tokens: torch.Tensor) -> None:
     width = prefixes.shape[1]
     slot = torch.arange(width, device=logits.device)
     # Slot j of a prefix lines up with output position len - width + j. A leading -1 column
@@ -137,12 +109,8 @@ def _apply_penalties(logits: torch.Tensor, t: LogitsProcessingTensors) -> None:
         logits.addcmul_(counts.clamp_(max=1), t.presence_penalty[:, None], value=-1)
 
 
-def _apply_repetition_penalty(
-    logits: torch.Tensor,
-    prompt_ids: torch.Tensor | None,
-    output_ids: torch.Tensor | None,
-    penalty: torch.Tensor,
-) -> None:
+def _apply_repetition_penalty(logits: torch.Tensor, prompt_ids: torch.Tensor | None,
+                              output_ids: torch.Tensor | None, penalty: torch.Tensor) -> None:
     """Gather the seen tokens' logits, penalise them, scatter them back (as Hugging Face does).
 
     A token seen several times is written several times with the same value. Padding is

@@ -4,20 +4,12 @@ Each pair of channels (i, i + d/2) of a query or key is rotated by the angle
 ``position * theta**(-2i/d)``; a dot product of rotated vectors then depends only on the
 distance between positions. cos/sin are tabulated once for every position.
 
-Long-context scaling (``rope_scaling`` / ``rope_parameters`` in ``config.json``, read by
-``model_config.py``) changes the frequencies, as ``transformers``' ``ROPE_INIT_FUNCTIONS`` do:
-
-- ``linear``: every frequency divided by ``factor`` (position interpolation);
-- ``llama3``: Llama 3.1's blend, long wavelengths divided, short ones kept;
-- ``dynamic`` (NTK-aware): a larger ``theta`` that grows with the sequence length. A paged KV
-  cache holds keys rotated once, at the step that wrote them, so the engine cannot re-rotate
-  them as a sequence grows: it uses the frequencies of its *maximum* length for every
-  sequence, as vLLM does (transformers recomputes them per forward; chapter 12 shows the
-  difference);
-- ``yarn``: interpolate the slow pairs, keep the fast ones, ramp in between, and multiply
-  cos/sin by an attention factor (``0.1 ln(factor) + 1`` unless the config gives one). The
-  factor is folded into the tables, so the Triton RoPE kernel (``kernels/rope.py``), which
-  reads the same tables, applies it too.
+Long-context scaling (``rope_scaling`` / ``rope_parameters``, read by ``model_config.py``)
+changes the frequencies as ``transformers``' ``ROPE_INIT_FUNCTIONS`` do (chapter 12 §2 builds
+``linear``, ``llama3``, ``dynamic`` and ``yarn``), with one difference: a paged KV cache holds
+keys rotated once, so ``dynamic`` uses the frequencies of the *maximum* length for every
+sequence, as vLLM does (chapter 12 §3). YaRN's attention factor is folded into the tables, so
+the Triton RoPE kernel (``kernels/rope.py``), which reads them, applies it too.
 """
 
 from __future__ import annotations

@@ -20,13 +20,8 @@ import torch.nn.functional as F
 from nanovllm.context import AttentionMetadata
 
 
-def store_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write each new token's key and value into its slot; slot -1 means skip.
 
     Handout (chapter 03 §1.3, assignment ``03.store_kv``): ``key`` and ``value`` are
@@ -84,14 +79,9 @@ def causal_attention(
     # <<< assignment 02.causal_attention
 
 
-def decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                     scale: float) -> torch.Tensor:
     """One query per sequence, all sequences at once: gather, pad, mask, attend.
 
     Handout (chapter 03 §1.3, assignment ``03.decode_attention``): ``q`` is ``[B, H, d]``, the
@@ -121,13 +111,8 @@ def decode_attention(
     # <<< assignment 03.decode_attention
 
 
-def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Attention for a packed batch: decodes batched together, then each prefill chunk.
 
     Handout (chapter 02 §2.6, assignment ``02.paged_attention``): the step's tokens are
@@ -155,9 +140,8 @@ def paged_attention(
     # <<< assignment 02.paged_attention
 
 
-def sliding_window_mask(
-    num_queries: int, num_keys: int, window: int, device: torch.device | None = None
-) -> torch.Tensor:
+def sliding_window_mask(num_queries: int, num_keys: int, window: int,
+                        device: torch.device | None = None) -> torch.Tensor:
     """Which keys each query may see under causal attention with a sliding window.
 
     Handout (chapter 12 §5, assignment ``12.sliding_window``): the ``num_queries`` queries are
@@ -175,9 +159,8 @@ def sliding_window_mask(
     # <<< assignment 12.sliding_window
 
 
-def windowed_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int
-) -> torch.Tensor:
+def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                       window: int) -> torch.Tensor:
     """``causal_attention`` where each query sees only its last ``window`` keys."""
     mask = sliding_window_mask(q.shape[0], k.shape[0], window, q.device)
     out = F.scaled_dot_product_attention(
@@ -187,14 +170,8 @@ def windowed_attention(
     return out.transpose(0, 1)
 
 
-def windowed_paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    window: int,
-) -> torch.Tensor:
+def windowed_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             meta: AttentionMetadata, scale: float, window: int) -> torch.Tensor:
     """``paged_attention`` with a sliding window, one sequence at a time (decodes included).
 
     Only the keys some query of the step can see are gathered: the last
@@ -210,14 +187,8 @@ def windowed_paged_attention(
     return out
 
 
-def attend(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    window: int | None = None,
-) -> torch.Tensor:
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+           scale: float, window: int | None = None) -> torch.Tensor:
     """The torch backend's entry point: ``paged_attention``, windowed when ``window`` is set."""
     if window is None:
         return paged_attention(q, k_cache, v_cache, meta, scale)

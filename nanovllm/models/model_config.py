@@ -1,25 +1,19 @@
 """The architecture hyper-parameters nanovllm needs, read straight from ``config.json``.
 
-Reading the JSON ourselves (rather than through ``transformers.AutoConfig``) keeps the
-model code independent of how a given transformers release spells things, e.g. the
-``rope_theta`` of 4.x versus the ``rope_parameters`` dictionary of 5.x. Chapter 01.
+Reading the JSON ourselves (not through ``transformers.AutoConfig``) keeps the model code
+independent of how a transformers release spells things (4.x's ``rope_theta``, 5.x's
+``rope_parameters``). Chapter 01. Every field read is checked: a bad file or field raises
+``ValueError`` naming both, not a ``KeyError`` or a shape error deep in the model;
+``architectures`` must be a list, as Hugging Face writes it. EOS ids merge ``config.json``'s and
+``generation_config.json``'s (Qwen lists several there), in that order, without repeats.
 
-Every field read is checked: a missing file, invalid JSON, a missing required field or a
-value of the wrong type raises ``ValueError`` naming the file and the field, instead of a
-``KeyError`` here or a shape error deep inside the model. ``architectures`` must be a list
-of class names, as Hugging Face writes it; a lone string is rejected, not guessed at.
-End-of-sequence ids come from ``config.json`` and, when present, ``generation_config.json``
-(Qwen models list several there), merged in that order without duplicates.
-
-RoPE scaling (chapter 12) is read as transformers reads it: ``rope_scaling`` (4.x) or a
-``rope_parameters`` whose ``rope_type`` is not ``default`` (5.x); ``type`` is an old spelling
-of ``rope_type``. The dictionary is completed with ``original_max_position_embeddings`` (the
-trained length) and ``max_position_embeddings`` becomes the length the scaled model serves,
-as vLLM derives it: trained length times ``factor`` for linear, dynamic and YaRN (llama3
-configs already state the extended length). A sliding window (Mistral) is read from
-``sliding_window`` unless ``use_sliding_window`` is false (Qwen2 ships a window it does not use).
-A ``partial_rotary_factor`` other than 1 and Phi-3's rope scaling (``longrope``, also spelled
-``su`` or ``yarn`` in Phi-3 configs) are refused.
+RoPE scaling (chapter 12) is read as transformers reads it (``rope_scaling``, or a
+``rope_parameters`` whose ``rope_type``, old spelling ``type``, is not ``default``), completed
+with ``original_max_position_embeddings``; ``max_position_embeddings`` becomes the length the
+scaled model serves, as vLLM derives it. ``sliding_window`` is read unless
+``use_sliding_window`` is false (Qwen2 ships a window it does not use). Refused: a
+``partial_rotary_factor`` other than 1 and Phi-3's rope scaling (``longrope``, also ``su`` or
+``yarn`` in Phi-3 configs).
 """
 
 from __future__ import annotations
@@ -33,14 +27,8 @@ from typing import Any
 from nanovllm.layers.rotary import SCALING_TYPES, scaling_type
 from nanovllm.validation import Rule, is_bool, is_finite, is_int, is_positive_int
 
-REQUIRED = (
-    "architectures",
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-)
+REQUIRED = ("architectures", "vocab_size", "hidden_size", "intermediate_size",
+            "num_hidden_layers", "num_attention_heads")
 
 
 def _positive_number(x: object) -> bool:
@@ -90,23 +78,17 @@ def _check(cfg: dict[str, Any], source: str) -> None:
                          f"got {theta!r}")
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or 1
     if heads % kv_heads:  # grouped-query attention shares each K/V head among a group
-        raise ValueError(
-            f"{source}: field 'num_key_value_heads' ({kv_heads}) must divide "
-            f"num_attention_heads ({heads})"
-        )
+        raise ValueError(f"{source}: field 'num_key_value_heads' ({kv_heads}) must divide "
+                         f"num_attention_heads ({heads})")
     if cfg.get("head_dim") is None and cfg["hidden_size"] % heads:
-        raise ValueError(
-            f"{source}: field 'hidden_size' ({cfg['hidden_size']}) must be a multiple of "
-            f"num_attention_heads ({heads}) when head_dim is not given"
-        )
+        raise ValueError(f"{source}: field 'hidden_size' ({cfg['hidden_size']}) must be a "
+                         f"multiple of num_attention_heads ({heads}) when head_dim is not given")
 
 
 def _rope_scaling(cfg: dict[str, Any], source: str) -> tuple[dict | None, int]:
     """The scaling dictionary, completed, and the maximum position the scaled model serves."""
     rope = dict(cfg.get("rope_parameters") or {})
-    scaling = dict(cfg.get("rope_scaling") or (
-        rope if scaling_type(rope) != "default" else {}
-    ))
+    scaling = dict(cfg.get("rope_scaling") or (rope if scaling_type(rope) != "default" else {}))
     length = cfg.get("max_position_embeddings") or 2048
     for where in (cfg, rope, scaling):  # RoPE on part of each head only (Phi-4-mini)
         if where.get("partial_rotary_factor", 1.0) not in (None, 1, 1.0):
@@ -226,10 +208,8 @@ class ModelConfig:
             raise ValueError(f"{gen_file} must hold a JSON object, got {type(gen).__name__}")
         eos = gen.get("eos_token_id")
         if eos is not None and not _token_ids(eos):
-            raise ValueError(
-                f"{gen_file}: field 'eos_token_id' must be a token id (int >= 0) or a list "
-                f"of them, got {eos!r}"
-            )
+            raise ValueError(f"{gen_file}: field 'eos_token_id' must be a token id (int >= 0) "
+                             f"or a list of them, got {eos!r}")
         merged = _eos_ids([*config.eos_token_ids, *_eos_ids(eos)])
         return dataclasses.replace(config, eos_token_ids=merged)
 

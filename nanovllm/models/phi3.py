@@ -1,19 +1,12 @@
 """Phi-3: the Llama decoder with fused projections in its checkpoints (chapter 12 §6).
 
-Phi-3's modules are Llama's (RMSNorm, RoPE, grouped-query attention, SwiGLU), but its
-checkpoints store the attention projections as one tensor ``self_attn.qkv_proj.weight``
-(the rows of q, then k, then v) and the MLP's as ``mlp.gate_up_proj.weight`` (gate, then up).
-Our model packs the same matrices, so at one rank a plain copy would fill them. With several
-ranks it would not: each rank holds its own heads of q, of k and of v (``QKVParallelLinear``),
-so its loader must see q, k and v apart. ``split_fused_tensor`` therefore turns a fused tensor
-back into the pieces a Llama checkpoint holds, under Llama's names; the loader
-(``nanovllm/weights/loader.py``) then feeds each piece to its parameter's ``weight_loader``
-as it would a Llama checkpoint's.
-
-The config needs nothing new; ``ModelConfig`` refuses what we do not support: Phi-3's
-``longrope`` scaling (the 128k models; Phi-3 configs also spell it ``su`` or ``yarn``) and a
-``partial_rotary_factor`` below 1 (Phi-4-mini). A ``sliding_window`` works as Mistral's:
-each query sees its last ``sliding_window`` keys, itself included, as transformers' Phi-3 does.
+Its checkpoints store ``self_attn.qkv_proj`` (rows of q, then k, then v) and ``mlp.gate_up_proj``
+(gate, then up) as one tensor each. At one rank a plain copy would fill our packed parameters,
+but each rank holds its own heads of q, of k and of v (``QKVParallelLinear``), so
+``split_fused_tensor`` turns a fused tensor back into a Llama checkpoint's pieces, under Llama's
+names, and the loader (``nanovllm/weights/loader.py``) feeds each to its ``weight_loader``.
+``ModelConfig`` refuses what we do not support (``longrope`` scaling, a ``partial_rotary_factor``
+below 1); a ``sliding_window`` works as Mistral's.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """What a quantization method does to a linear layer (chapter 08), in vLLM's terms.
 
-A ``LinearMethod`` owns two moments of a layer's life:
-
-- ``process_weights_after_loading(layer)``: once every checkpoint shard has been copied in
-  (the packed ``qkv_proj`` and ``gate_up_proj`` are filled by three and two shards, so
-  quantizing any earlier would compute scales from a partly empty matrix), replace the
-  high-precision ``layer.weight`` by its quantized form plus ``layer.weight_scale``;
-- ``apply(layer, x, bias)``: the matmul ``x @ W.T (+ bias)`` on the quantized form.
-
-``nanovllm.layers.linear.LinearBase`` calls ``apply`` when its ``quant_method`` is set.
+A ``LinearMethod`` owns two moments of a layer's life: ``process_weights_after_loading(layer)``,
+once every checkpoint shard is in (the packed ``qkv_proj`` and ``gate_up_proj`` are filled by
+three and two shards: quantizing earlier would scale a partly empty matrix), replaces
+``layer.weight`` by its quantized form plus ``layer.weight_scale``; ``apply(layer, x, bias)``
+is the matmul on that form, which ``LinearBase`` calls when its ``quant_method`` is set.
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
-"""fp8 weights and activations, W8A8 (chapter 08, section 5).
+"""fp8 weights and activations, W8A8 (chapter 08 §5.2).
 
-Weights: float8 e4m3 with one float32 scale per output channel, quantized once at load time.
-Activations: quantized on the fly, one scale per token (*dynamic* per-token scaling: each row
-of ``x`` gets ``max|row| / 448``), so an outlier token does not flatten every other token's
-values. Then one fp8 x fp8 matmul accumulates in fp32 and applies both scales to the result:
-
-    y[t, o] = (sum_i xq[t, i] * wq[o, i]) * sx[t] * sw[o]
-
-which is exact algebra, because each scale is constant along the summed index ``i``.
-
-- CUDA, compute capability >= 8.9 (Ada, Hopper): ``torch._scaled_mm`` with row-wise scales
-  (``scale_a`` ``[tokens, 1]``, ``scale_b`` ``[1, out]``), bf16 output. It needs bf16
-  activations and both matrix sizes ``in`` and ``out`` divisible by 16; other cases take the
-  emulated path. ``EngineConfig`` refuses ``quantization="fp8"`` on older GPUs.
-- Everywhere else (CPU included) the emulated reference: the same quantization of ``x``,
-  then the fp8 values widened to float32 (exact: e4m3 fits in fp32) and an fp32 matmul. It
-  reproduces the rounding of the real fp8 path, so CPU accuracy numbers are the fp8 ones, but
-  not its speed.
+e4m3 weights with one float32 scale per output channel (quantized at load time) and e4m3
+activations scaled dynamically per token (``max|row| / 448``), so an outlier token does not
+flatten the others. Each scale is constant along the summed index, so one fp8 matmul with fp32
+accumulation applies both to its result: ``y[t, o] = (sum_i xq[t, i] wq[o, i]) sx[t] sw[o]``.
+On CUDA of compute capability >= 8.9 (``EngineConfig`` refuses older GPUs) with bf16
+activations and ``in``, ``out`` divisible by 16 that is ``torch._scaled_mm`` with row-wise
+scales; everywhere else (CPU included) an emulation widens the fp8 values to fp32 (exact) for an
+fp32 matmul: the rounding of the real path, not its speed.
 """
 
 from __future__ import annotations
@@ -56,14 +47,9 @@ def fp8_linear(
     rows = x.reshape(-1, x.shape[-1])
     xq, x_scale = quantize_fp8(rows)
     if _scaled_mm_fits(rows, weight):
-        y = torch._scaled_mm(
-            xq,
-            weight.t(),  # [in, out] column-major, the layout _scaled_mm wants for mat2
-            scale_a=x_scale[:, None],
-            scale_b=scale[None, :],
-            bias=bias,
-            out_dtype=rows.dtype,
-        )
+        # weight.t(): [in, out] column-major, the layout _scaled_mm wants for mat2
+        y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale[:, None], scale_b=scale[None, :],
+                             bias=bias, out_dtype=rows.dtype)
     else:
         y = emulated_fp8_matmul(xq, x_scale, weight, scale).to(rows.dtype)
         y = y if bias is None else y + bias

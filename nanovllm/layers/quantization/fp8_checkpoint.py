@@ -1,31 +1,22 @@
-"""Checkpoints stored in fp8, in the Hugging Face layout (chapter 08, section 6).
+"""Checkpoints stored in fp8, in the Hugging Face layout (chapter 08 §6).
 
-``config.json`` says so in ``quantization_config``::
+``config.json`` says so in ``quantization_config`` (``{"quant_method": "fp8",
+"activation_scheme": "dynamic", "weight_block_size": [128, 128]}``), and each quantized linear
+weight ``W`` ``[out, in]`` is stored as ``torch.float8_e4m3fn`` codes beside the scales with
+``W = codes * scales``: ``<name>.weight_scale_inv`` ``[ceil(out/128), ceil(in/128)]``, one per
+128 x 128 block (the Qwen3 and DeepSeek FP8 releases; "inv": the loader multiplies by it), or
+``<name>.weight_scale``, one for the tensor (``[]``, ``[1]``) or per output channel (``[out]``,
+``[out, 1]``), as AutoFP8 / llm-compressor write them. ``input_scale`` and
+``k_scale``/``v_scale`` are skipped: activations are scaled dynamically per token here, and the
+fp8 KV cache uses its own scale (``kv_cache.py``).
 
-    {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-
-and each quantized linear weight ``W`` ``[out, in]`` is stored as ``torch.float8_e4m3fn``
-beside the scales that turn its codes back into numbers, ``W = codes * scales``:
-
-- ``<name>.weight_scale_inv`` ``[ceil(out/128), ceil(in/128)]``: one scale per 128 x 128 block
-  (``weight_block_size``; the Qwen3 and DeepSeek FP8 releases). "inv" because it is the
-  inverse of the quantization scale: the loader multiplies by it;
-- ``<name>.weight_scale``: one scale for the tensor (``[]`` or ``[1]``) or per output channel
-  (``[out]`` or ``[out, 1]``), as AutoFP8 / llm-compressor write them.
-
-Embeddings, norms and the LM head stay in bf16 in such checkpoints. ``input_scale`` (static
-activation scales) and ``k_scale``/``v_scale`` are skipped: activations are scaled
-dynamically per token here, and the fp8 KV cache uses its own scale (``kv_cache.py``).
-
-What the loader does with the blocks: it *dequantizes* each tensor as it reads it (codes
-times its block's scale, into the model's dtype) and lets ``process_weights_after_loading``
-quantize the loaded layer to e4m3 per output channel, the one fp8 GEMM this engine has
-(``fp8.py``). Why not keep the blocks: the packed ``qkv_proj``/``gate_up_proj`` and
-tensor-parallel slices then need no block alignment (q, k, v of a small model are not
-multiples of 128), and row-wise ``torch._scaled_mm`` runs on every torch we support, while
-block-scaled GEMMs need newer builds or a kernel of our own. The price: a second rounding
-(each weight re-rounded to its row's scale; both are e4m3, so about half an e4m3 step more
-error), and the layer passing through the model's dtype once at load time.
+The loader *dequantizes* each tensor as it reads it and lets ``process_weights_after_loading``
+quantize the layer to e4m3 per output channel, the one fp8 GEMM this engine has (``fp8.py``).
+Why not keep the blocks: the packed ``qkv_proj``/``gate_up_proj`` and tensor-parallel slices
+then need no block alignment (q, k, v of a small model are not multiples of 128), and row-wise
+``torch._scaled_mm`` runs on every torch we support, while block-scaled GEMMs need newer builds
+or a kernel of our own. The price: a second rounding (about half an e4m3 step more error), and
+the layer passing through the model's dtype once at load time.
 """
 
 from __future__ import annotations

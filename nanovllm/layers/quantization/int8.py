@@ -1,12 +1,8 @@
-"""int8 weight-only quantization, W8A16 (chapter 08, section 3).
+"""int8 weight-only quantization, W8A16 (chapter 08 §3).
 
 Each linear weight ``[out, in]`` becomes int8 codes plus one float32 scale per output channel
-(``scales.quantize_int8``); activations stay in the model's dtype. What it buys is bytes: a
-decode step reads every weight once, so halving the weight bytes (vs bf16) can nearly halve
-the time of a step that is bound by memory bandwidth. The arithmetic is unchanged: the codes
-are widened back to the activation dtype right before the multiply.
-
-Three ways to run ``y = x @ (q * s).T``, picked per call by device:
+(``scales.quantize_int8``); activations stay in the model's dtype, and the codes are widened to
+it right before the multiply. ``y = x @ (q * s).T`` runs, picked per call by device:
 
 - CUDA with triton: our kernel ``nanovllm.kernels.int8_gemm`` (dequantizes in registers, so
   only int8 bytes cross the memory bus);

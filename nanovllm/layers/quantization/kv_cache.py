@@ -1,33 +1,13 @@
-"""The fp8 KV cache (chapter 08, section 7): keys and values stored as e4m3, one byte each.
+"""The fp8 KV cache (chapter 08 §7): keys and values stored as e4m3, one byte each.
 
-``kv_cache_dtype="fp8"`` halves the bytes per cached token against bf16 (a quarter of fp32),
-so the same memory holds twice the blocks: twice the tokens in flight, and half the bytes a
-decode step reads from the cache.
-
-Scale granularity: one scale per layer for K and one for V (``k_scale``, ``v_scale``), static,
-1.0 by default, as in vLLM when the checkpoint brings no calibrated scales. Why that is
-enough: e4m3 is a floating-point format, so a value keeps the same relative precision
-(3 mantissa bits) anywhere between 2**-6 and 448, whatever the scale; a scale only has to keep
-the largest keys below 448 and the bulk above 2**-6. Measured on SmolLM2-135M: the largest
-|K| over all 30 layers is 18.6, the largest |V| 12.0, medians 0.88 and 0.40, and 1.2% (K) and
-3.8% (V) of the values fall below 2**-6, where precision thins out (those matter least).
-Finer scales (per token and head) would cost a scale tensor beside every block and a load
-per tile in every attention kernel; a per-layer scalar folds into the softmax scale (K) and
-the output (V), so the kernels barely change. A model whose keys exceed 448 would need a
-calibrated scale (left for later: checkpoints' ``k_scale``/``v_scale`` are not read yet).
-
-Two paths (the attention backends of ``nanovllm/layers/attention_backends.py``):
-
-- ``triton``: the kernels read and write e4m3 themselves. ``store_kv`` divides by the scale,
-  saturates and rounds; the paged decode and prefill kernels load one byte per element, widen
-  each tile to the query's dtype in registers, fold ``k_scale`` into the softmax scale and
-  multiply the output by ``v_scale``. Triton converts e4m3 on GPUs of compute capability
-  >= 8.9 only (``EngineConfig`` refuses older ones), and under the interpreter on CPU.
-- ``torch``: storing divides by the scale (``quantize_kv``), clamps to +-448 (an
-  out-of-range cast may give NaN on some torch builds) and casts; attending gathers only the
-  blocks the batch's block tables use, dequantizes them to the query's dtype
-  (``dequantize_used_blocks``) and runs the ordinary reference on that compact cache with
-  renumbered block tables. Correct on any device, but it moves the used blocks twice per step.
+One static scale per layer for K and one for V (``k_scale``, ``v_scale``, 1.0 as in vLLM without
+calibrated scales; checkpoints' ``k_scale``/``v_scale`` are not read yet): e4m3 keeps its
+relative precision from 2**-6 to 448 whatever the scale, and a per-layer scalar folds into the
+softmax scale (K) and the output (V), so the kernels barely change. The ``triton`` backend's
+kernels read and write e4m3 themselves; the ``torch`` backend quantizes on store
+(``quantize_kv``: clamped, as an out-of-range cast may give NaN on some torch builds) and
+widens the blocks a step uses to the query's dtype (``dequantize_used_blocks``) for the
+ordinary reference, correct on any device but moving those blocks twice per step.
 """
 
 from __future__ import annotations
@@ -74,12 +54,8 @@ def compact_blocks(
 
 
 def dequantize_used_blocks(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    k_scale: float,
-    v_scale: float,
-    dtype: torch.dtype,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, k_scale: float,
+    v_scale: float, dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """The blocks ``meta``'s tables use, widened to ``dtype``, and the metadata renumbered to
     index them: an e4m3 cache as the ordinary torch backend reads one."""

@@ -1,18 +1,11 @@
-"""Symmetric scales: the one idea every quantizer here shares (chapter 08, section 2).
+"""Symmetric scales: the one idea every quantizer here shares (chapter 08 §2).
 
-A row ``x`` of real numbers is stored as ``q = round(x / s)`` in a narrow type and read back
-as ``q * s``. *Symmetric* means no zero point: ``s = max|x| / qmax``, so the largest value of
-the row lands on the largest code and 0.0 stays exactly 0.0. One scale per *row* is the
-granularity used throughout: per output channel for a weight ``[out, in]`` (each row is one
-output feature's dot product, so its scale factors out of the sum and is applied once to the
-result) and per token for activations ``[tokens, hidden]`` (the fp8 W8A8 path).
-
-- int8: codes -127..127 (-128 unused, which keeps the range symmetric), rounded to nearest;
-- fp8 e4m3 (``torch.float8_e4m3fn``): finite values up to 448, 3 mantissa bits, so every
-  value keeps ~2 significant digits wherever it sits in the range; scaling only has to keep
-  the row's largest value below 448 (and the small ones above the subnormals, 2**-6).
-
-Taught in ``chapters/08_quantization.py``.
+A row ``x`` is stored as ``q = round(x / s)`` in a narrow type with ``s = max|x| / qmax`` (no
+zero point: 0.0 stays 0.0), one scale per row: per output channel for a weight ``[out, in]``
+(it factors out of that feature's dot product) and per token for activations (fp8 W8A8).
+int8 codes are -127..127 (-128 unused, keeping the range symmetric); fp8 e4m3
+(``torch.float8_e4m3fn``) holds finite values up to 448 with 3 mantissa bits, so scaling only
+has to keep a row's largest value below 448 and the small ones above the subnormals (2**-6).
 """
 
 from __future__ import annotations
