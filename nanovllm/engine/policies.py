@@ -1,30 +1,12 @@
-"""Scheduling policies: who is served first when not everyone fits (chapter 06).
+"""Scheduling policies: who is served first when not everyone fits (chapter 06 §6 and §7).
 
-A policy ranks sequences, most important first: ``order(seqs, now) -> list``. Every step
-the scheduler hands it all unfinished sequences, running and waiting together, and then
-
-- gives the step's token budget to the running ones in that order,
-- admits waiting ones in that order, stopping at the first that does not fit (so a large
-  request is not overtaken forever by small ones),
-- when the KV cache runs out, preempts running ones from the other end of the order.
-
-Two optional attributes refine this. ``on_admit(seq, now)`` is called whenever a waiting
-sequence gets a slot, for policies that remember who was served (``fair``). With
-``preempts_to_admit = True`` a waiting sequence that cannot be admitted may evict running
-ones ranked below it; only set it when the ranking of two sequences does not flip from
-step to step, or the engine would thrash (evict, recompute, evict back...).
-
-Built in: ``"fcfs"``, ``"priority"`` (``PriorityPolicy``), ``"fair"`` (``FairPolicy``),
-``"mixed"`` (``MixedPolicy``). A custom policy is a class with an ``order`` method, or
-just a function, which ``get_policy`` wraps in ``FunctionPolicy``::
-
-    def shortest_prompt_first(seqs, now):
-        return sorted(seqs, key=lambda s: (s.num_prompt_tokens, s.metrics.arrival_time))
-
-    llm = LLM(path, scheduler_policy=shortest_prompt_first)
-    llm = LLM(path, scheduler_policy=PriorityPolicy(aging_rate=0.5))
-
-Give each engine its own policy object: ``FairPolicy`` keeps per-tenant state.
+A policy ranks sequences, most important first: ``order(seqs, now) -> list``, over all
+unfinished sequences every step; the scheduler serves, admits and preempts by that order.
+Optional: ``on_admit(seq, now)``, called when a waiting sequence gets a slot (``fair``), and
+``preempts_to_admit = True``, letting a waiting sequence evict running ones ranked below it
+(only for rankings that never flip between two sequences, or the engine thrashes). Built in:
+``POLICIES``; a custom policy is an object with ``order`` or a plain function (wrapped in
+``FunctionPolicy``). Give each engine its own policy object: ``FairPolicy`` keeps state.
 """
 
 from __future__ import annotations
@@ -172,12 +154,8 @@ class MixedPolicy:
 
     preempts_to_admit = True
 
-    def __init__(
-        self,
-        shares: dict[str, float] | None = None,
-        default_class: str | None = None,
-        within: Policy | None = None,
-    ) -> None:
+    def __init__(self, shares: dict[str, float] | None = None, default_class: str | None = None,
+                 within: Policy | None = None) -> None:
         shares = dict(shares or {"interactive": 0.8, "batch": 0.2})
         if not shares or not all(isinstance(v, (int, float)) and v > 0 for v in shares.values()):
             raise ValueError(f"shares must map class names to numbers > 0, got {shares}")
@@ -263,9 +241,8 @@ def _fails_alone(policy: Policy, seq: Sequence, now: float) -> Exception | None:
 def get_policy(policy: str | Policy | OrderFn) -> Policy:
     """A policy from a name in ``POLICIES``, a policy object, or an ``order`` function.
 
-    Any other value raises ``ValueError`` (``check_scheduler_policy``, which ``EngineConfig``
-    runs on construction).
-    """
+    Any other value raises ``ValueError`` (``check_scheduler_policy``; ``EngineConfig`` runs
+    it on construction)."""
     check_scheduler_policy(policy)
     if isinstance(policy, str):
         return POLICIES[policy]()
