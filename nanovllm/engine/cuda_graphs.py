@@ -1,12 +1,8 @@
 """CUDA graphs for decode steps (chapter 07).
 
-A decode step of a small model launches hundreds of short kernels; on a fast GPU the CPU
-cannot issue them as fast as the GPU runs them. A CUDA graph records the whole forward
-pass once and replays it with a single launch. A graph replays exactly what it recorded,
-so (1) its inputs live in *static buffers* that each step copies into, and (2) it has a
-fixed batch size: we capture one graph per *bucket* (1, 2, 4, 8, 16, 32, 48, ...) and pad a
-batch up to the next bucket. Padded rows write their keys nowhere (slot -1) and attend to
-nothing (length 0); their outputs are ignored.
+A graph replays a whole decode forward pass with one launch, at fixed addresses and a fixed
+batch size: inputs are copied into static buffers, and a batch is padded up to its bucket's
+size with rows that write nowhere (slot -1) and attend to nothing (length 0).
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Turning a request into sequences: every check a request gets before it may enter the
 engine, and its request id (chapters 00, 01 and 10).
 
-``InputProcessor`` reads only settings fixed at start-up (the config, the model's
-vocabulary, the KV capacity), so any thread may call it: ``AsyncEngine`` validates in the
-submitting thread, and bad input raises ``ValueError`` there, never inside a step. It also
-fans a request with ``SamplingParams.n > 1`` out into its samples. ``RequestIds`` is the
-one place request ids are given out and checked.
+``InputProcessor`` reads only settings fixed at start-up, so any thread may call it: bad input
+raises ``ValueError`` in the submitting thread, never inside a step. It fans a request with
+``SamplingParams.n > 1`` out into its samples. ``RequestIds`` alone gives out request ids.
 """
 
 from __future__ import annotations
@@ -24,14 +22,8 @@ from nanovllm.validation import is_int
 
 
 class InputProcessor:
-    def __init__(
-        self,
-        config: EngineConfig,
-        model_config: ModelConfig,
-        tokenizer: Tokenizer | None,
-        eos_token_ids: set[int],
-        kv_capacity: int,
-    ) -> None:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig,
+                 tokenizer: Tokenizer | None, eos_token_ids: set[int], kv_capacity: int) -> None:
         self.config, self.model_config, self.tokenizer = config, model_config, tokenizer
         self.eos_token_ids = eos_token_ids
         self.kv_capacity = kv_capacity  # tokens the whole KV cache holds
@@ -53,13 +45,8 @@ class InputProcessor:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         return text, token_ids
 
-    def make_sequence(
-        self,
-        prompt: object,
-        params: SamplingParams,
-        request_id: str | None = None,
-        priority: int = 0,
-    ) -> Sequence:
+    def make_sequence(self, prompt: object, params: SamplingParams, request_id: str | None = None,
+                      priority: int = 0) -> Sequence:
         """Validate one request and wrap it in a Sequence (nothing enters the engine yet)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
@@ -120,13 +107,8 @@ class InputProcessor:
                 raise ValueError("every allowed_token_id is banned (bad_words or min_tokens)")
         return [w for w in words if w]
 
-    def make_sequences(
-        self,
-        prompt: object,
-        params: SamplingParams,
-        request_id: str | None = None,
-        priority: int = 0,
-    ) -> list[Sequence]:
+    def make_sequences(self, prompt: object, params: SamplingParams, request_id: str | None = None,
+                       priority: int = 0) -> list[Sequence]:
         """Validate one request and make a sequence for each of its ``params.n`` samples
         (vLLM's parallel sampling). Sample i has id ``f"{i}_{request_id}"`` and, with a
         seed, seed + i; only sample 0 computes prompt logprobs. Admitted together, the

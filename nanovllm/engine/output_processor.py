@@ -1,13 +1,9 @@
 """What a step reports, and what turns those reports into ``RequestOutput``s (chapters 00, 10).
 
-``LLMEngine.step()`` returns one ``EngineCoreOutput`` per request that progressed: the
-token ids new since its last report and, once it has ended, why (vLLM's v1 engine core
-speaks the same way). Everything else about a request — its text, its accumulated tokens —
-is the consumer's business: both front ends, ``LLM.generate`` and ``AsyncEngine``, hand the
-deltas to an ``OutputProcessor`` (vLLM's name), which keeps a ``RequestState`` per request
-and holds the request's id from its claim until its final output. So the engine never hands
-out a token that is still in flight (async scheduling) and never decodes text that nobody
-reads.
+``LLMEngine.step()`` returns one ``EngineCoreOutput`` per request that progressed: its new
+token ids and, once ended, why (as vLLM's v1 engine core does). Text and accumulated tokens are
+the front end's: its ``OutputProcessor`` keeps a ``RequestState`` per request, so the engine
+never hands out a token still in flight nor decodes text that nobody reads.
 """
 
 from __future__ import annotations

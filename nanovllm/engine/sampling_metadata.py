@@ -1,14 +1,9 @@
 """One step's sampling inputs, built on the host from the requests' settings (chapter 01).
 
-For the rows being sampled, ``SamplingInputs.build`` turns each request's
-``SamplingParams`` and token history into the device tensors of the sampler
-(``SamplingTensors``: temperature, top-k/p, min-p, generators) and of the logits
-processors (``LogitsProcessingTensors``: penalties, logit bias, allowed tokens, banned
-tokens for ``min_tokens`` and bad words). Most steps need only the first: the rest is
-built only when some row asks for it. Everything travels in a few host-to-device copies
-and nothing waits for the device: with async scheduling (chapter 11) a request's newest
-token may still be in flight, and it is patched in on the device from the previous step's
-sampled tokens, as the model's input ids are.
+``SamplingInputs.build`` turns the sampled rows' ``SamplingParams`` and token histories into
+the sampler's tensors (``SamplingTensors``) and, only when some row asks for them, the logits
+processors' (``LogitsProcessingTensors``). Nothing waits for the device: a token still in flight
+(async scheduling, chapter 11) is patched in on the device from the previous step's tokens.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """What one engine step carries between the scheduler, the model runner and its workers.
 
-``pack_step`` lays a scheduled step's new tokens end to end and computes where each one's key
-and value go in the paged cache (chapter 04). ``StepPlan`` is those model inputs as host arrays
-(what a tensor-parallel worker receives, chapter 09), packed by ``PackedArrays`` into one named
-buffer per dtype; ``PreparedBatch`` is the same step on the device, with what rank 0 needs to
-sample; ``InFlight`` is a launched step whose tokens may still be on their way to the host
-(async scheduling, chapter 11). ``ModelRunner`` (``model_runner.py``) makes and consumes them.
+``pack_step`` lays a step's new tokens end to end with their cache slots (chapter 04);
+``StepPlan`` holds them as host arrays, one ``PackedArrays`` buffer per dtype (what a
+tensor-parallel worker receives, chapter 09); ``PreparedBatch`` is the step on the device, and
+``InFlight`` a launched step whose tokens may still be on their way (chapter 11).
 """
 
 from __future__ import annotations

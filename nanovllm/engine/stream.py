@@ -1,11 +1,8 @@
 """The stream transport: how a request's tokens travel from the engine thread to the
 thread (or asyncio task) that reads them (chapter 10).
 
-``AsyncEngine`` (``async_engine.py``) gives each request a ``RequestStream``. Its engine
-thread sends ``Item``s (token ids, logprobs, and how a sample or the request ended) through
-a queue; the reader turns them into ``StreamChunk``s (``nanovllm/outputs.py``), detokenizing
-incrementally in its own thread so that the step loop stays lean. ``AsyncRequestStream``
-reads the same items through an ``asyncio.Queue``.
+The engine thread sends ``Item``s through a queue; the reader turns them into ``StreamChunk``s,
+detokenizing in its own thread so that the step loop stays lean.
 """
 
 from __future__ import annotations
