@@ -43,9 +43,8 @@ class StaticInputs:
         self.block_tables = torch.full((top, max_blocks), -1, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(top + 1, dtype=torch.int32, device=device)
 
-    def fill(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> int:
+    def fill(self, input_ids: torch.Tensor, positions: torch.Tensor,
+             meta: AttentionMetadata) -> int:
         """Copy one decode batch into the buffers, pad it to its bucket; return the bucket.
 
         Handout (chapter 07 §3-§3.1, assignment ``07.graphs``): the replay side of a captured
@@ -88,16 +87,8 @@ class StaticInputs:
 class DecodeGraphs:
     """Captured decode forward passes, one per batch-size bucket, sharing one memory pool."""
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        max_batch: int,
-        max_blocks: int,
-        block_size: int,
-        hidden_size: int,
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> None:
+    def __init__(self, model: torch.nn.Module, max_batch: int, max_blocks: int, block_size: int,
+                 hidden_size: int, device: torch.device, dtype: torch.dtype) -> None:
         self.model = model
         self.max_len = max_blocks * block_size
         self.buckets = batch_buckets(max_batch)
@@ -137,9 +128,8 @@ class DecodeGraphs:
     def can_run(self, batch_size: int) -> bool:
         return batch_size <= self.buckets[-1]
 
-    def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
+            meta: AttentionMetadata) -> torch.Tensor:
         """Copy one decode batch into the static buffers, replay, return its hidden states."""
         bs = self.inputs.fill(input_ids, positions, meta)
         self.graphs[bs].replay()

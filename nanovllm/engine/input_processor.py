@@ -58,24 +58,19 @@ class InputProcessor:
         text, token_ids = self.tokenize(prompt)
         limit = self.config.max_model_len
         if len(token_ids) >= limit:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens but max_model_len is {limit}; "
-                "it must leave room for at least one new token"
-            )
+            raise ValueError(f"prompt has {len(token_ids)} tokens but max_model_len is {limit}; "
+                             "it must leave room for at least one new token")
         longest = min(len(token_ids) + params.max_tokens, limit)
         capacity = self.kv_capacity
         if longest > capacity:
-            raise ValueError(
-                f"a request of up to {longest} tokens cannot fit in the KV cache "
-                f"({capacity} tokens); raise the KV budget or lower max_tokens"
-            )
+            raise ValueError(f"a request of up to {longest} tokens cannot fit in the KV cache "
+                             f"({capacity} tokens); raise the KV budget or lower max_tokens")
         budget = self.config.max_num_batched_tokens
         if not self.config.enable_chunked_prefill and longest > budget:
             # unchunked, a (re)computed prefill must fit one step, or it would wait forever
-            raise ValueError(
-                f"a request of up to {longest} tokens exceeds max_num_batched_tokens "
-                f"({budget}) and chunked prefill is off; enable it or raise the budget"
-            )
+            raise ValueError(f"a request of up to {longest} tokens exceeds "
+                             f"max_num_batched_tokens ({budget}) and chunked prefill is off; "
+                             "enable it or raise the budget")
         seq = Sequence(token_ids, params, request_id, text, int(priority))
         seq.bad_word_ids = bad_word_ids
         return seq
@@ -87,10 +82,8 @@ class InputProcessor:
         named = [*params.stop_token_ids, *(params.logit_bias or ())]
         named += params.allowed_token_ids or ()
         if any(t >= vocab for t in named):
-            raise ValueError(
-                f"stop_token_ids, logit_bias and allowed_token_ids must name token ids below "
-                f"the vocabulary size {vocab}"
-            )
+            raise ValueError("stop_token_ids, logit_bias and allowed_token_ids must name token ids "
+                             f"below the vocabulary size {vocab}")
         if params.bad_words and self.tokenizer is None:
             raise ValueError("bad_words needs a tokenizer; this model folder has none")
         words = [
@@ -142,18 +135,13 @@ class _Claim:
 
 
 class RequestIds:
-    """The one allocator of request ids: every way into the engine claims here
-    (``LLMEngine.add_request``/``add_sequence``; ``LLM.generate`` and ``AsyncEngine.submit``
-    through their ``OutputProcessor``).
+    """The one allocator of request ids: every way into the engine claims here.
 
-    A claimed id is in use until its request has ended for whoever reads it. A front end
-    claims with ``held=True`` and releases the id once it has the final output (so a
-    stream still being delivered keeps its id); a request added to the engine directly
-    frees its id when all its samples have finished. A user's id that is in use is refused
-    with ``ValueError``; a generated id is the next number not in use. A request of n > 1
-    samples claims its samples' ids too (``f"{i}_{id}"``, the engine's keys), so no other
-    request can take one of those. Any thread may claim: a lock guards the table.
-    """
+    A claimed id is in use until its request has ended for whoever reads it: a front end
+    claims with ``held=True`` and releases the id once it has the final output; a request
+    added to the engine directly frees it when all its samples have finished. A user's id in
+    use raises ``ValueError``; a generated id is the next number not in use. A request of n > 1
+    samples claims its samples' ids (``f"{i}_{id}"``) too. A lock guards the table."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -195,9 +183,8 @@ class RequestIds:
         return request_id
 
     def release(self, request_id: str) -> None:
-        """A front end that claimed ``request_id`` with ``held=True`` is done with it: its
-        final output is out, or the request was aborted or never reached the engine. The
-        id is free again."""
+        """Free ``request_id``, claimed with ``held=True``: its final output is out, or the
+        request was aborted or never reached the engine."""
         with self._lock:
             claim = self._claims.get(request_id)
             if claim is None or not claim.held:

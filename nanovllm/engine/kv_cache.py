@@ -50,8 +50,7 @@ def claim_gpu_share(config: EngineConfig, device: torch.device) -> int | None:
             f"{available / GiB:.2f} GiB are free: other processes, or another engine in this "
             f"process, hold the rest. Lower gpu_memory_utilization (at most "
             f"{math.floor(100 * available / total) / 100} here), free that memory (an engine "
-            "in this process: llm.shutdown() or del llm), or pass kv_cache_memory= explicitly"
-        )
+            "in this process: llm.shutdown() or del llm), or pass kv_cache_memory= explicitly")
     return allocated
 
 

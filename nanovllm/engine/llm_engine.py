@@ -49,10 +49,8 @@ class LLMEngine:
             config.max_model_len = min(self.model_config.max_position_embeddings,
                                        MAX_DEFAULT_MODEL_LEN)
         if config.max_model_len > self.model_config.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len {config.max_model_len} exceeds the model's "
-                f"max_position_embeddings {self.model_config.max_position_embeddings}"
-            )
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {self.model_config.max_position_embeddings}")
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -61,14 +59,12 @@ class LLMEngine:
         self.runner.sampling_inputs.eos_token_ids = self.eos_token_ids  # for min_tokens
         self.block_manager = make_block_manager(  # frees out-of-window blocks (chapter 12)
             self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching,
-            self.model_config.sliding_window,
-        )
+            self.model_config.sliding_window)
         stop_checker = StopChecker(self.tokenizer, self.eos_token_ids, config.max_model_len)
         self.scheduler = Scheduler(config, self.block_manager, stop_checker)
-        self.input_processor = InputProcessor(
-            config, self.model_config, self.tokenizer, self.eos_token_ids,
-            self.block_manager.num_blocks * config.block_size,
-        )
+        self.input_processor = InputProcessor(config, self.model_config, self.tokenizer,
+                                              self.eos_token_ids,
+                                              self.block_manager.num_blocks * config.block_size)
         self._in_flight: tuple[SchedulerOutput, InFlight] | None = None  # async scheduling
         self.stats = EngineStats()
         self.timeline: TimelineRecorder | None = None  # off by default: costs nothing
@@ -176,8 +172,7 @@ class LLMEngine:
         step = StepMetrics(
             self.stats.num_steps, start, end, len(batch), batch.num_tokens - num_decodes,
             num_decodes, len(sched.running), len(sched.waiting), bm.usage,
-            sched.num_preemptions, bm.prefix_hit_rate,
-        )
+            sched.num_preemptions, bm.prefix_hit_rate)
         self.stats.record(step)
         if self.timeline is not None:
             self.timeline.record(step.step, batch, start, end)

@@ -110,9 +110,8 @@ def _percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
-def latency_summary(
-    metrics: Iterable[RequestMetrics], percentiles: tuple[float, ...] = (50, 90, 99)
-) -> dict[str, dict[str, float]]:
+def latency_summary(metrics: Iterable[RequestMetrics],
+                    percentiles: tuple[float, ...] = (50, 90, 99)) -> dict[str, dict[str, float]]:
     """Mean and percentiles (seconds) of queue time, TTFT, TPOT and e2e latency.
 
     Requests for which a figure is undefined (e.g. TPOT of a one-token answer) are left

@@ -39,9 +39,8 @@ class SamplingInputs:
             self._prompts[seq.seq_id] = np.array(seq.token_ids[: seq.num_prompt_tokens])
         return self._prompts[seq.seq_id]
 
-    def build(
-        self, seqs: list[Sequence], in_flight: tuple[torch.Tensor, dict[int, int]]
-    ) -> tuple[SamplingTensors, LogitsProcessingTensors | None]:
+    def build(self, seqs: list[Sequence], in_flight: tuple[torch.Tensor, dict[int, int]]
+              ) -> tuple[SamplingTensors, LogitsProcessingTensors | None]:
         """``in_flight``: the previous step's sampled tokens (device) and each sequence's row
         in them, for tokens still shown as placeholders on the host."""
         return self._sampling(seqs), self._processing(seqs, in_flight)

@@ -360,10 +360,20 @@ class Scheduler:
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None,
                 error: str | None = None, new_token_ids: list[int] = ()) -> EngineCoreOutput:
-        """The one way a request ends (running, waiting, or retired with its last token in
-        flight): blocks freed, state dropped, its final report."""
+        """The one way a request ends: blocks freed, state dropped, its final report."""
         if error is not None:
             logger.warning("request %r failed: %s", seq.request_id, error)
+        self.finish(seq, reason)
+        self.requests.pop(seq.request_id, None)
+        self._finished_seq_ids.add(seq.seq_id)
+        while seq.token_ids and seq.token_ids[-1] == PLACEHOLDER:  # an in-flight token
+            seq.token_ids.pop()
+        return EngineCoreOutput(seq.parent_id, list(new_token_ids), reason, stop_reason, error,
+                                index=seq.index)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End ``seq`` (running, waiting, or retired with its last token in flight) and
+        release its blocks."""
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
         seq.metrics.finished_time = time.perf_counter()
         if seq in self.running:
@@ -372,12 +382,6 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
-        self.requests.pop(seq.request_id, None)
-        self._finished_seq_ids.add(seq.seq_id)
-        while seq.token_ids and seq.token_ids[-1] == PLACEHOLDER:  # an in-flight token
-            seq.token_ids.pop()
-        return EngineCoreOutput(seq.parent_id, list(new_token_ids), reason, stop_reason, error,
-                                index=seq.index)
 
 
 def _describe(err: BaseException) -> str:

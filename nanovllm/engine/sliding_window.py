@@ -68,9 +68,8 @@ class SlidingWindowBlockManager(BlockManager):
         return released
 
 
-def make_block_manager(
-    num_blocks: int, block_size: int, enable_prefix_caching: bool, sliding_window: int | None
-) -> BlockManager:
+def make_block_manager(num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                       sliding_window: int | None) -> BlockManager:
     """The engine's block manager: one that frees out-of-window blocks for a model with a
     sliding window (on every layer), the plain one otherwise."""
     if sliding_window is None:

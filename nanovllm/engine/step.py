@@ -67,10 +67,8 @@ LONG_FIELDS = ("input_ids", "positions", "slot_mapping", "sample_indices", "patc
 INT_FIELDS = ("cu_seqlens_q", "seq_lens_k", "block_tables")
 
 
-def pack_step(
-    seqs: list[Sequence], num_new_tokens: list[int], block_size: int,
-    in_flight_rows: dict[int, int],
-) -> dict[str, list]:
+def pack_step(seqs: list[Sequence], num_new_tokens: list[int], block_size: int,
+              in_flight_rows: dict[int, int]) -> dict[str, list]:
     """Lay one step's new tokens end to end, decodes first: the model's inputs, on the host.
 
     Handout (chapter 04 §1.3, assignment ``04.prepare``). Sequence ``seqs[i]`` computes

@@ -56,24 +56,15 @@ class RequestStream:
         self._read_to_end = False  # a second iteration then ends at once instead of blocking
 
     # -- engine-thread side ------------------------------------------------------------
-    def push(
-        self,
-        token_ids: list[int],
-        index: int = 0,
-        logprobs: list[TokenLogprobs] | None = None,
-        completion: CompletionOutput | None = None,
-    ) -> None:
+    def push(self, token_ids: list[int], index: int = 0,
+             logprobs: list[TokenLogprobs] | None = None,
+             completion: CompletionOutput | None = None) -> None:
         """New tokens of sample ``index``; with ``completion``, that sample has ended."""
         self.sink(Item(token_ids, index, logprobs, completion))
 
-    def end(
-        self,
-        token_ids: Iterable[int] = (),
-        output: RequestOutput | None = None,
-        error: BaseException | None = None,
-        index: int = 0,
-        logprobs: list[TokenLogprobs] | None = None,
-    ) -> None:
+    def end(self, token_ids: Iterable[int] = (), output: RequestOutput | None = None,
+            error: BaseException | None = None, index: int = 0,
+            logprobs: list[TokenLogprobs] | None = None) -> None:
         """The request has ended: the last tokens (of sample ``index``) and its ``output``,
         or the ``error`` that stopped the engine."""
         self._output, self._error = output, error  # set before waking anyone up
@@ -121,14 +112,12 @@ class RequestStream:
             yield self.to_chunk(self._items.get())
 
 
-
 class AsyncRequestStream:
     """A ``RequestStream`` read through asyncio (``async for``); leaving the loop early
     (a ``break``, a cancelled task) calls ``abort`` with the request's id."""
 
-    def __init__(
-        self, stream: RequestStream, items: asyncio.Queue, abort: Callable[[str], Any]
-    ) -> None:
+    def __init__(self, stream: RequestStream, items: asyncio.Queue,
+                 abort: Callable[[str], Any]) -> None:
         self.stream, self._items, self._abort = stream, items, abort
         self.request_id = stream.request_id
 
