@@ -86,11 +86,9 @@ class InputProcessor:
                              f"below the vocabulary size {vocab}")
         if params.bad_words and self.tokenizer is None:
             raise ValueError("bad_words needs a tokenizer; this model folder has none")
-        words = [
-            self.tokenizer.encode(spelling, add_special_tokens=False)
-            for word in params.bad_words or ()
-            for spelling in dict.fromkeys((word, " " + word.lstrip()))
-        ]
+        words = [self.tokenizer.encode(spelling, add_special_tokens=False)
+                 for word in params.bad_words or ()
+                 for spelling in dict.fromkeys((word, " " + word.lstrip()))]
         if params.allowed_token_ids:
             banned = {w[0] for w in words if len(w) == 1}
             if params.min_tokens:
@@ -167,10 +165,8 @@ class RequestIds:
                 if taken:
                     raise ValueError(f"request id {taken[0]!r} is already in use")
             else:
-                request_id = next(
-                    str(n) for n in self._numbers
-                    if not any(self._in_use(k) for k in _keys(str(n), len(seqs)))
-                )
+                request_id = next(str(n) for n in self._numbers
+                                  if not any(self._in_use(k) for k in _keys(str(n), len(seqs))))
                 for seq in seqs:  # the samples' ids derive from the request's
                     seq.parent_id = request_id
                     seq.request_id = request_id if len(seqs) == 1 else f"{seq.index}_{request_id}"

@@ -115,11 +115,9 @@ def _departed_holders(engine: EngineState, live: list[Sequence]) -> list[str]:
     previous = _seen.get(engine, {})
     now = {s.seq_id: s for s in live}
     _seen[engine] = now
-    return [
-        f"request {s.request_id!r} left the engine ({s.status.name.lower()}, finish_reason "
-        f"{s.finish_reason!r}) but still holds block(s) {s.block_table}"
-        for seq_id, s in previous.items() if seq_id not in now and s.block_table
-    ]
+    return [f"request {s.request_id!r} left the engine ({s.status.name.lower()}, finish_reason "
+            f"{s.finish_reason!r}) but still holds block(s) {s.block_table}"
+            for seq_id, s in previous.items() if seq_id not in now and s.block_table]
 
 
 def _prefix_index_problems(bm: BlockManager, live: list[Sequence]) -> list[str]:

@@ -178,10 +178,8 @@ class ModelRunner:
         input_ids = longs["input_ids"]
         if plan.has_patches:  # the previous step's tokens never visit the CPU on their way here
             input_ids[longs["patch_targets"]] = self._in_flight_tokens[longs["patch_sources"]]
-        return PreparedBatch(
-            plan, input_ids, longs["positions"], meta, longs["sample_indices"],
-            packed["sample_seqs"], packed["logit_rows"], packed["prompt_logprobs"],
-        )
+        return PreparedBatch(plan, input_ids, longs["positions"], meta, longs["sample_indices"],
+                             packed["sample_seqs"], packed["logit_rows"], packed["prompt_logprobs"])
 
     def _materialize(self, plan: StepPlan) -> tuple[dict[str, torch.Tensor], AttentionMetadata]:
         """The plan's device tensors: its int64 fields by name (``plan.longs``), and the

@@ -50,11 +50,8 @@ class SamplingInputs:
         any_filter = any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params)
         columns = [[p.temperature for p in params]]
         if any_filter:  # most steps need no filter tensors: skip building them
-            columns += [
-                [p.top_k if p.top_k > 0 else self.vocab_size for p in params],
-                [p.top_p for p in params],
-                [p.min_p for p in params],
-            ]
+            columns += [[p.top_k if p.top_k > 0 else self.vocab_size for p in params],
+                        [p.top_p for p in params], [p.min_p for p in params]]
         table = self.to_device(columns, torch.float32)
         return SamplingTensors(
             temperatures=table[0],
@@ -76,31 +73,25 @@ class SamplingInputs:
 
     def _processing(self, seqs: list[Sequence], in_flight) -> LogitsProcessingTensors | None:
         params = [s.params for s in seqs]
-        penalties = [
-            p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
-            for p in params
-        ]
+        penalties = [p.presence_penalty != 0 or p.frequency_penalty != 0
+                     or p.repetition_penalty != 1 for p in params]
         sequences = [[w for w in s.bad_word_ids if len(w) > 1] for s in seqs]
         holds_back = [s.num_output_tokens < s.params.min_tokens for s in seqs]
-        if not (
-            any(penalties) or any(sequences) or any(holds_back)
-            or any(s.bad_word_ids for s in seqs)
-            or any(p.logit_bias or p.allowed_token_ids for p in params)
-        ):
+        if not (any(penalties) or any(sequences) or any(holds_back)
+                or any(s.bad_word_ids for s in seqs)
+                or any(p.logit_bias or p.allowed_token_ids for p in params)):
             return None  # the common case: nothing to do
         t = LogitsProcessingTensors()
         if any(penalties) or any(sequences):
             t.output_ids, t.output_lens = self._outputs(seqs, penalties, sequences, in_flight)
         if any(penalties):
-            t.prompt_ids = self._padded(
-                [self._prompt(s) if on else [] for s, on in zip(seqs, penalties)]
-            )
+            t.prompt_ids = self._padded([self._prompt(s) if on else []
+                                         for s, on in zip(seqs, penalties)])
             t.presence_penalty, t.frequency_penalty, t.repetition_penalty = self.to_device(
                 [[p.presence_penalty for p in params], [p.frequency_penalty for p in params],
-                 [p.repetition_penalty for p in params]],
-                torch.float32,
-            )
-        bias = [(r, tok, v) for r, p in enumerate(params) for tok, v in _items(p.logit_bias)]
+                 [p.repetition_penalty for p in params]], torch.float32)
+        bias = [(r, tok, v) for r, p in enumerate(params)
+                for tok, v in (p.logit_bias or {}).items()]
         if bias:
             rows, tokens, values = zip(*bias)
             t.bias = (*self._ids([rows, tokens]), self.to_device(values, torch.float32))
@@ -126,17 +117,13 @@ class SamplingInputs:
     def _outputs(self, seqs, penalties, sequences, in_flight):
         """Generated tokens of the rows that need them ([B, Lo], padded with -1), with the
         in-flight placeholder patched in on the device, and their counts."""
-        outputs = [
-            s.output_token_ids if on or seq_words else []
-            for s, on, seq_words in zip(seqs, penalties, sequences)
-        ]
+        outputs = [s.output_token_ids if on or seq_words else []
+                   for s, on, seq_words in zip(seqs, penalties, sequences)]
         ids = self._padded(outputs)
         tokens, rows_of = in_flight
-        patches = [
-            (r, len(out) - 1, rows_of[s.seq_id])
-            for r, (s, out) in enumerate(zip(seqs, outputs))
-            if out and out[-1] == PLACEHOLDER
-        ]
+        patches = [(r, len(out) - 1, rows_of[s.seq_id])
+                   for r, (s, out) in enumerate(zip(seqs, outputs))
+                   if out and out[-1] == PLACEHOLDER]
         if patches:
             rows, cols, sources = self._ids(list(zip(*patches)))
             ids[rows, cols] = tokens[sources]
@@ -163,7 +150,3 @@ class SamplingInputs:
 
     def _ids(self, columns: list) -> torch.Tensor:
         return self.to_device(np.array(columns, dtype=np.int64), torch.int64)
-
-
-def _items(bias: dict[int, float] | None) -> list:
-    return list(bias.items()) if bias else []

@@ -102,10 +102,9 @@ class RequestStream:
             text = detokenizer.push(token_ids)
             return StreamChunk(self.request_id, token_ids, text, index=index, logprobs=logprobs)
         text = detokenizer.finish(completion.text)  # the final text is cut at a stop string
-        return StreamChunk(
-            self.request_id, token_ids, text, item.output is not None,
-            completion.finish_reason, item.output, index, logprobs, completion.stop_reason,
-        )
+        return StreamChunk(self.request_id, token_ids, text, item.output is not None,
+                           completion.finish_reason, item.output, index, logprobs,
+                           completion.stop_reason)
 
     def __iter__(self) -> Iterator[StreamChunk]:
         while not self._read_to_end:
