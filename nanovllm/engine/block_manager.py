@@ -81,9 +81,8 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids holding the longest cached prefix of ``seq`` (nothing is changed).
-
-        At most ``num_tokens - 1`` tokens may come from the cache: the last token must be
+        """Block ids holding the longest cached prefix of ``seq`` (nothing is changed). At
+        most ``num_tokens - 1`` tokens may come from the cache: the last token must be
         computed to produce the logits of the next one.
 
         Handout (chapter 04 §3, prefix caching). Return a ``list[int]`` of block ids, one per
@@ -267,10 +266,9 @@ class BlockManager:
         return serial
 
     def free(self, seq: Sequence) -> None:
-        """Release ``seq``'s blocks (the scheduler resets its progress).
-
-        Blocks with a hash stay findable until recycled; the tail of a sequence is queued
-        for recycling before its (more shareable) head.
+        """Release ``seq``'s blocks (the scheduler resets its progress). Blocks with a hash
+        stay findable until recycled; the tail of a sequence is queued for recycling before
+        its (more shareable) head.
 
         Handout (chapter 04 §3). Walk ``seq.block_table`` from its last block to its first,
         skipping slots that hold ``self.null_block`` (a sliding window gave those back

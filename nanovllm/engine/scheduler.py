@@ -78,9 +78,8 @@ class Scheduler:
         return batch
 
     def _schedule_running(self, ranked: list[Sequence], batch: SchedulerOutput) -> bool:
-        """Serve the running sequences in rank order, preempting when the KV cache runs out.
-
-        Returns whether it preempted anything.
+        """Serve the running sequences in rank order, preempting when the KV cache runs out;
+        returns whether it preempted anything.
 
         Handout (chapter 06 §1 and §5, recompute preemption). ``ranked``: every running
         sequence, most important first; ``batch``: this step's ``SchedulerOutput``, empty.
@@ -244,11 +243,8 @@ class Scheduler:
         return outputs
 
     def _advance(self, launched: SchedulerOutput, landed: ModelRunnerOutput | None) -> list[int]:
-        """Advance a launched step's sequences, and put a landed step's tokens in place.
-
-        Count ``launched``'s tokens as computed, holding a placeholder for each token it
-        samples; then write ``landed``'s sampled tokens over theirs. Returns the indices
-        (into ``landed.step.seqs``, ascending) of the tokens written.
+        """Advance a launched step's sequences, and put a landed step's tokens in place;
+        returns the indices (into ``landed.step.seqs``, ascending) of the tokens written.
 
         Handout (chapter 11 §4.2, async scheduling: the placeholder protocol). ``launched``
         is the step just queued on the device; ``landed`` the step whose tokens reached the
