@@ -13,24 +13,18 @@ from nanovllm.context import AttentionMetadata, attention_metadata
 
 
 def batch_buckets(max_batch: int) -> list[int]:
-    """Powers of two up to 8, then multiples of 16: padding wastes at most ~15 rows.
-
-    The batch sizes to capture a graph for, ascending, for at most ``max_batch`` >= 1
+    """The batch sizes to capture a graph for, ascending, for at most ``max_batch`` >= 1
     sequences: 1, 2, 4, 8 (those below ``max_batch``), then 16, 32, 48, ... up to the first
-    multiple of 16 that holds ``max_batch``; for ``max_batch <= 8``, the powers of two below
-    it, then ``max_batch`` itself. So the largest bucket always holds ``max_batch``:
-    ``batch_buckets(6) == [1, 2, 4, 6]``, ``batch_buckets(40) == [1, 2, 4, 8, 16, 32, 48]``.
-    """
+    multiple of 16 that holds ``max_batch`` (padding wastes at most ~15 rows); for ``max_batch
+    <= 8``, the powers of two below it, then ``max_batch``. So the largest holds ``max_batch``:
+    ``batch_buckets(6) == [1, 2, 4, 6]``, ``batch_buckets(40) == [1, 2, 4, 8, 16, 32, 48]``."""
     small = [b for b in (1, 2, 4, 8) if b < max_batch]
     return small + list(range(16, max_batch + 16, 16)) if max_batch > 8 else small + [max_batch]
 
 
 class StaticInputs:
-    """The buffers a captured decode graph reads, and the padding contract that fills them.
-
-    A graph replays fixed addresses, so every step copies its inputs into these tensors, sized
-    for the largest bucket. Device-agnostic: on a CPU it shows (and tests) the padding.
-    """
+    """The buffers a captured decode graph reads (fixed addresses, sized for the largest
+    bucket), and the padding contract that fills them. On a CPU it shows (and tests) the padding."""
 
     def __init__(self, buckets: list[int], max_blocks: int, device: torch.device) -> None:
         self.buckets = buckets

@@ -122,15 +122,11 @@ class LLMEngine:
 
     # -- the loop ------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
-        """Run one engine step: schedule, execute, update. Returns a report for each request
-        that got tokens or ended. ``Scheduler.update_from_output`` alone advances requests.
-
-        With ``async_scheduling`` a step's tokens arrive one call later: this call queues
-        step n on the GPU, then reads step n-1's tokens while the GPU computes, and the
-        next call schedules step n+1 meanwhile. Step n's sequences hold a placeholder for
-        their newest token until then (never reported); the GPU feeds the real one to step
-        n+1 directly.
-        """
+        """Run one engine step: schedule, execute, update; a report for each request that got
+        tokens or ended. With ``async_scheduling`` a step's tokens arrive one call later: this
+        call queues step n, then reads step n-1's tokens while the GPU computes. Until then step
+        n's sequences hold a placeholder (never reported); the GPU feeds the real token to step
+        n+1 directly."""
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule(start)
         model_output = self._execute(scheduler_output)

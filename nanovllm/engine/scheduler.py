@@ -233,7 +233,6 @@ class Scheduler:
         and each sequence that sampled gets a placeholder; then ``model_output``'s tokens
         replace their placeholders, stop and length are checked, full blocks registered and
         finished requests freed. Returns a report per request that got tokens or ended.
-
         ``model_output`` is the step just run, or with async scheduling the one before it
         (whose tokens arrived while this one was queued on the device), or None."""
         outputs, self._reports = self._reports, []

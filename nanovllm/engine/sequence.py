@@ -25,11 +25,7 @@ class SequenceStatus(Enum):
 
 class Sequence:
     """Prompt plus generated tokens, the KV blocks that hold them, and bookkeeping.
-
-    ``num_computed_tokens`` counts tokens whose keys and values are in the cache; the
-    scheduler gives each step's sequences some of the rest to compute (a whole prompt, a
-    chunk of one, or the single newest token when decoding).
-    """
+    ``num_computed_tokens`` counts tokens whose keys and values are in the cache."""
 
     _ids = itertools.count()
 

@@ -23,12 +23,9 @@ Buffer = TypeVar("Buffer", np.ndarray, torch.Tensor)
 
 @dataclass(frozen=True, eq=False)
 class PackedArrays:
-    """Named arrays of one dtype laid end to end in one flat buffer.
-
-    One buffer means one host-to-device copy for all of them; the names and shapes travel
-    with it, so whoever unpacks it (rank 0 after its copy to the device, or a worker that
-    received the pickled plan) finds each array by name rather than by offset arithmetic that
-    must agree with the packer's."""
+    """Named arrays of one dtype laid end to end in one flat buffer: one host-to-device copy
+    for all of them. The names and shapes travel with it, so whoever unpacks it (rank 0 on the
+    device, or a worker that received the plan) finds each array by name, not by offsets."""
 
     buffer: np.ndarray  # 1-D: the arrays' values, in the order of ``shapes``
     shapes: dict[str, tuple[int, ...]]  # name -> shape, in buffer order

@@ -36,11 +36,9 @@ class Item(NamedTuple):
 
 
 class RequestStream:
-    """One request's output: iterate it for ``StreamChunk``s, or call ``result()``.
-
-    The engine thread calls ``push``/``end``; one consumer thread reads. Items travel
-    through a ``SimpleQueue`` (or, via ``sink``, an asyncio queue), in order.
-    """
+    """One request's output: iterate it for ``StreamChunk``s, or call ``result()``. The engine
+    thread calls ``push``/``end``; one consumer reads, in order, through a ``SimpleQueue`` (or,
+    via ``sink``, an asyncio queue)."""
 
     def __init__(self, request_id: str, tokenizer: Any, params: SamplingParams) -> None:
         self.request_id = request_id
