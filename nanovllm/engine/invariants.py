@@ -1,4 +1,4 @@
-"""The leak check: the engine's KV bookkeeping verified between two steps (chapter 13 §1).
+"""The leak check: the engine's KV bookkeeping verified between two steps (chapter 13).
 
 Chapter 04's tests verify the block manager alone; this verifies it inside a running engine:
 blocks free xor held; each ``ref_count`` equals the live requests (waiting, running, or

@@ -1,4 +1,4 @@
-"""Scheduling policies: who is served first when not everyone fits (chapter 06 §6 and §7).
+"""Scheduling policies: who is served first when not everyone fits (chapter 06).
 
 A policy ranks sequences, most important first: ``order(seqs, now) -> list``, over all
 unfinished sequences every step; the scheduler serves, admits and preempts by that order.

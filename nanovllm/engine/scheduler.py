@@ -3,7 +3,8 @@ block accounting in chapter 04).
 
 A step is ``schedule()`` (a ``SchedulerOutput``), the model runner, then
 ``update_from_output()``: the one place a request progresses (computed tokens, sampled
-tokens, stop, freeing). The block manager only answers questions and keeps block tables.
+tokens with placeholders while in flight: chapter 11; stop; freeing). The block manager only
+answers questions and keeps block tables; a sliding window's release runs first (chapter 12).
 Running sequences are served in the policy's order, waiting ones admitted into what is left of
 the token budget, and an exhausted KV cache preempts the lowest-ranked by recomputation
 (chapter 06 §1 and §5). A policy error that is one request's ends that request alone.
