@@ -10,36 +10,16 @@ per-request streams (chapter 10; the scheduling it relies on is chapter 06).
     out = await engine.generate("Hello")
     engine.shutdown()
 
-Threading model
----------------
-- One *engine thread* owns the ``LLMEngine``: only it changes engine state (scheduler,
-  block manager, KV cache, model). Its loop takes every command waiting in the inbox
-  (add, abort), applies them, runs one ``step()`` if there is work, and hands each
-  request's new tokens (the step's ``EngineCoreOutput`` deltas) to its stream. With nothing
-  to do it sleeps on a condition variable until a command arrives: no busy spinning.
-- *Producers* (any threads) call ``submit``, ``abort`` and ``shutdown``. ``submit``
-  validates in the caller's thread (``ValueError`` is raised there, so bad input never
-  reaches the engine thread) and appends to the inbox under a lock. ``abort`` and
-  ``shutdown`` wait until the engine thread has carried them out, at a step boundary.
-- *Consumers* read a ``RequestStream`` (one consumer per stream; ``stream.py``). The engine
-  thread's ``OutputProcessor`` collects the step's deltas per request, and the thread
-  passes token ids (and logprobs, when asked); text is detokenized incrementally in the
-  consumer's thread, which keeps the step loop lean. A request with ``SamplingParams.n``
-  samples has one stream; each chunk says which sample (``chunk.index``) it belongs to.
-  ``stream``/``generate`` bridge into asyncio by forwarding the same items into an
-  ``asyncio.Queue`` with ``loop.call_soon_threadsafe``.
-- Every stream ends, one way or another: finished ("stop"/"length"), aborted ("abort",
-  also when ``shutdown(wait=False)`` cuts it short), failed on its own ("error": its
-  output's ``error`` says why; every other request goes on), or with an ``EngineError``
-  when a step raised an error that is not one request's (see ``llm_engine.py``: the
-  engine is then dead, every stream ends so and new requests are refused).
-- The tokenizer is shared by producers (encode), the engine thread and consumers
-  (decode); ``nanovllm.tokenizer.Tokenizer`` serializes its calls, so that is safe.
-- Request ids are claimed in ``submit`` (``RequestIds``, ``input_processor.py``): one a
-  producer leaves out is generated and never collides with an id in use; a producer's
-  own id that is in use raises ``ValueError`` there.
-- While an ``AsyncEngine`` runs an ``LLMEngine``, nothing else may call that engine (nor
-  an ``LLM`` built on it); reading ``engine.stats`` / ``timeline.to_records()`` is fine.
+One *engine thread* owns the ``LLMEngine`` (chapter 10 §1): it applies the commands in the
+inbox (add, abort), runs ``step()`` while there is work, hands each request's deltas to its
+stream, and sleeps on a condition variable otherwise. Producers (any thread) call ``submit``,
+which validates in the caller's thread (``ValueError`` raises there) and claims the request
+id; ``abort`` and ``shutdown`` wait until the engine thread has done them, at a step boundary.
+One consumer reads each ``RequestStream`` (``stream.py``), detokenizing in its own thread
+(the shared ``Tokenizer`` serializes its calls); a request's n samples share one stream.
+Every stream ends: "stop"/"length", "abort", "error" (that request alone), or ``EngineError``
+when a step fails for everyone (the engine is then dead: ``llm_engine.py``). While this runs
+an ``LLMEngine``, nothing else may call that engine; reading its ``stats`` is fine.
 """
 
 from __future__ import annotations
@@ -86,13 +66,8 @@ class AsyncEngine:
         return cls(LLMEngine(EngineConfig.from_kwargs(str(model), **options)))
 
     # -- producers -----------------------------------------------------------------------
-    def submit(
-        self,
-        prompt: Any,
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        priority: int = 0,
-    ) -> RequestStream:
+    def submit(self, prompt: Any, params: SamplingParams | None = None,
+               request_id: str | None = None, priority: int = 0) -> RequestStream:
         """Queue a request; returns its stream at once. Raises ``ValueError`` (bad input)
         or ``EngineError`` (shut down or failed) in the calling thread."""
         return self._submit(prompt, params, request_id, priority, None)
@@ -155,13 +130,8 @@ class AsyncEngine:
         return self._thread.is_alive()
 
     # -- asyncio -------------------------------------------------------------------------
-    def stream(
-        self,
-        prompt: Any,
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        priority: int = 0,
-    ) -> AsyncRequestStream:
+    def stream(self, prompt: Any, params: SamplingParams | None = None,
+               request_id: str | None = None, priority: int = 0) -> AsyncRequestStream:
         """Submit now (errors raise here) and return an async iterable of chunks; call it
         from a coroutine: ``async for chunk in engine.stream(prompt, params): ...``."""
         loop = asyncio.get_running_loop()
@@ -176,13 +146,8 @@ class AsyncEngine:
         stream = self._submit(prompt, params, request_id, priority, sink)
         return AsyncRequestStream(stream, items, lambda rid: self.abort(rid, wait=False))
 
-    async def generate(
-        self,
-        prompt: Any,
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        priority: int = 0,
-    ) -> RequestOutput:
+    async def generate(self, prompt: Any, params: SamplingParams | None = None,
+                       request_id: str | None = None, priority: int = 0) -> RequestOutput:
         """The final output of one request, awaited without blocking the event loop."""
         async for chunk in self.stream(prompt, params, request_id, priority):
             if chunk.finished:

@@ -1,28 +1,14 @@
 """Paged KV-cache bookkeeping with prefix caching (chapter 04).
 
-The cache is cut into fixed-size blocks. Each sequence owns a *block table*: the list of
-block ids that hold its tokens, in order. A full block is identified by a chained hash of
-every token up to and including it, so two requests with the same prefix can share the
-blocks of that prefix (reference-counted). A freed block keeps its contents and its hash;
-it is only recycled, least recently freed first, when a fresh block is needed, so a later
-request with the same prefix can still find it.
-
-A block's hash is registered as soon as its computation is *scheduled* (in ``allocate``),
-as vLLM does, not when the step finishes: a request admitted in the same step, or in the
-next one while this one is still running on the GPU (async scheduling), already reuses it.
-That is safe because within a layer the step stores every token's keys and values before
-any attention reads them, and later steps run after earlier ones on the device. A block
-whose computation never happens (its sequence is preempted or fails before the step is
-launched) loses its hash when it is freed.
-
-A hash only *finds* a candidate block; adopting it needs proof that it holds the same tokens
-after the same prefix. Comparing the block's own tokens is not enough (under a weak or attacked
-hash, block 1 of an unrelated prompt with equal tokens would pass), nor is comparing parent
-hashes (two different prefixes can share one). So every registration gets a ``serial`` that is
-never reused, and a block remembers the serial of the block it continues: a lookup accepts block
-``i`` only if its tokens equal the request's and its ``parent`` is the serial of the block it
-accepted at ``i - 1``. By induction the whole chain of tokens is compared, and a hash collision
-can only cost a hit, never serve another prefix's keys and values.
+Each sequence's *block table* lists the fixed-size blocks that hold its tokens. A full block is
+found by a chained hash of every token up to it and shared, reference-counted, by requests with
+that prefix; a freed block keeps its hash until recycled (least recently freed first). A hash is
+registered when the block's computation is *scheduled* (as vLLM does), so a request admitted in
+the same or the next step already reuses it (safe: each layer stores a step's keys and values
+before attention reads them, and steps run in order); one never computed loses it when freed.
+A hash only finds a candidate: a lookup accepts block ``i`` only if its tokens match and its
+``parent`` is the never-reused ``serial`` of the block accepted at ``i - 1``, so the whole token
+chain is compared and a collision can only cost a hit (chapter 04 §3.2).
 """
 
 from __future__ import annotations
@@ -95,9 +81,8 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids holding the longest cached prefix of ``seq`` (nothing is changed).
-
-        At most ``num_tokens - 1`` tokens may come from the cache: the last token must be
+        """Block ids holding the longest cached prefix of ``seq`` (nothing is changed). At
+        most ``num_tokens - 1`` tokens may come from the cache: the last token must be
         computed to produce the logits of the next one.
 
         Handout (chapter 04 §3, prefix caching). Return a ``list[int]`` of block ids, one per
@@ -131,9 +116,8 @@ class BlockManager:
         return found
         # <<< assignment 04.cached_prefix
 
-    def num_blocks_to_allocate(
-        self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()
-    ) -> int:
+    def num_blocks_to_allocate(self, seq: Sequence, num_new_tokens: int,
+                               cached: list[int] = ()) -> int:
         """Free blocks that ``allocate(seq, num_new_tokens, cached)`` would take: fresh
         blocks for the tokens its table does not cover yet, plus the ``cached`` blocks that
         sit in the free queue (reviving one takes it out of the queue)."""
@@ -282,10 +266,9 @@ class BlockManager:
         return serial
 
     def free(self, seq: Sequence) -> None:
-        """Release ``seq``'s blocks (the scheduler resets its progress).
-
-        Blocks with a hash stay findable until recycled; the tail of a sequence is queued
-        for recycling before its (more shareable) head.
+        """Release ``seq``'s blocks (the scheduler resets its progress). Blocks with a hash
+        stay findable until recycled; the tail of a sequence is queued for recycling before
+        its (more shareable) head.
 
         Handout (chapter 04 §3). Walk ``seq.block_table`` from its last block to its first,
         skipping slots that hold ``self.null_block`` (a sliding window gave those back

@@ -1,12 +1,8 @@
 """CUDA graphs for decode steps (chapter 07).
 
-A decode step of a small model launches hundreds of short kernels; on a fast GPU the CPU
-cannot issue them as fast as the GPU runs them. A CUDA graph records the whole forward
-pass once and replays it with a single launch. A graph replays exactly what it recorded,
-so (1) its inputs live in *static buffers* that each step copies into, and (2) it has a
-fixed batch size: we capture one graph per *bucket* (1, 2, 4, 8, 16, 32, 48, ...) and pad a
-batch up to the next bucket. Padded rows write their keys nowhere (slot -1) and attend to
-nothing (length 0); their outputs are ignored.
+A graph replays a whole decode forward pass with one launch, at fixed addresses and a fixed
+batch size: inputs are copied into static buffers, and a batch is padded up to its bucket's
+size with rows that write nowhere (slot -1) and attend to nothing (length 0).
 """
 
 from __future__ import annotations
@@ -17,24 +13,18 @@ from nanovllm.context import AttentionMetadata, attention_metadata
 
 
 def batch_buckets(max_batch: int) -> list[int]:
-    """Powers of two up to 8, then multiples of 16: padding wastes at most ~15 rows.
-
-    The batch sizes to capture a graph for, ascending, for at most ``max_batch`` >= 1
+    """The batch sizes to capture a graph for, ascending, for at most ``max_batch`` >= 1
     sequences: 1, 2, 4, 8 (those below ``max_batch``), then 16, 32, 48, ... up to the first
-    multiple of 16 that holds ``max_batch``; for ``max_batch <= 8``, the powers of two below
-    it, then ``max_batch`` itself. So the largest bucket always holds ``max_batch``:
-    ``batch_buckets(6) == [1, 2, 4, 6]``, ``batch_buckets(40) == [1, 2, 4, 8, 16, 32, 48]``.
-    """
+    multiple of 16 that holds ``max_batch`` (padding wastes at most ~15 rows); for ``max_batch
+    <= 8``, the powers of two below it, then ``max_batch``. So the largest holds ``max_batch``:
+    ``batch_buckets(6) == [1, 2, 4, 6]``, ``batch_buckets(40) == [1, 2, 4, 8, 16, 32, 48]``."""
     small = [b for b in (1, 2, 4, 8) if b < max_batch]
     return small + list(range(16, max_batch + 16, 16)) if max_batch > 8 else small + [max_batch]
 
 
 class StaticInputs:
-    """The buffers a captured decode graph reads, and the padding contract that fills them.
-
-    A graph replays fixed addresses, so every step copies its inputs into these tensors, sized
-    for the largest bucket. Device-agnostic: on a CPU it shows (and tests) the padding.
-    """
+    """The buffers a captured decode graph reads (fixed addresses, sized for the largest
+    bucket), and the padding contract that fills them. On a CPU it shows (and tests) the padding."""
 
     def __init__(self, buckets: list[int], max_blocks: int, device: torch.device) -> None:
         self.buckets = buckets
@@ -47,9 +37,8 @@ class StaticInputs:
         self.block_tables = torch.full((top, max_blocks), -1, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(top + 1, dtype=torch.int32, device=device)
 
-    def fill(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> int:
+    def fill(self, input_ids: torch.Tensor, positions: torch.Tensor,
+             meta: AttentionMetadata) -> int:
         """Copy one decode batch into the buffers, pad it to its bucket; return the bucket.
 
         Handout (chapter 07 §3-§3.1, assignment ``07.graphs``): the replay side of a captured
@@ -92,16 +81,8 @@ class StaticInputs:
 class DecodeGraphs:
     """Captured decode forward passes, one per batch-size bucket, sharing one memory pool."""
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        max_batch: int,
-        max_blocks: int,
-        block_size: int,
-        hidden_size: int,
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> None:
+    def __init__(self, model: torch.nn.Module, max_batch: int, max_blocks: int, block_size: int,
+                 hidden_size: int, device: torch.device, dtype: torch.dtype) -> None:
         self.model = model
         self.max_len = max_blocks * block_size
         self.buckets = batch_buckets(max_batch)
@@ -141,9 +122,8 @@ class DecodeGraphs:
     def can_run(self, batch_size: int) -> bool:
         return batch_size <= self.buckets[-1]
 
-    def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
+            meta: AttentionMetadata) -> torch.Tensor:
         """Copy one decode batch into the static buffers, replay, return its hidden states."""
         bs = self.inputs.fill(input_ids, positions, meta)
         self.graphs[bs].replay()

@@ -1,26 +1,14 @@
 """Rank 0's side of tensor parallelism: start the workers, send them every step (chapter 09).
 
-Rank 0 (the process that built the ``LLM``) runs the scheduler, the sampler and shard 0 of
-the model; ranks 1..N-1 are worker processes (``worker.py``) that hold the other shards
-and follow rank 0 step by step. Each step rank 0 sends a small ``StepPlan`` (token ids,
-positions, slots, block tables: host arrays) through a shared-memory ring
-(``shm_broadcast.py``; over a gloo group to ranks on other hosts); then all ranks run the
-same forward pass, whose all-reduces keep them in lockstep.
-
-Process hygiene, because leaked GPU processes are the classic failure of multi-process
-engines:
-
-- the rendezvous port is a free one, picked by the OS, unless ``MASTER_PORT`` is set;
-- workers ignore Ctrl-C (rank 0 decides when they stop) and exit by themselves when rank 0
-  disappears: their stdin is a pipe from rank 0, and its end-of-file means rank 0 is gone;
-- ``shutdown`` (also run by ``LLM.shutdown``, garbage collection and interpreter exit)
-  stops them politely, then kills what has not exited within a few seconds;
-- a worker that dies is noticed before the next step is sent, and a step in progress fails
-  when its collective loses the peer: either way rank 0 raises ``WorkerDiedError``.
-
-With ``WORLD_SIZE`` set in the environment (as torchrun and cluster launchers set it) rank 0
-starts no workers: it waits for ``python -m nanovllm.engine.worker`` processes started on
-other hosts with ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``.
+Rank 0 runs the scheduler, the sampler and shard 0; workers (``worker.py``) hold the other
+shards. Each step rank 0 sends a small ``StepPlan`` (through shared memory, ``shm_broadcast.py``;
+over gloo to ranks on other hosts), then all ranks run the same forward pass in lockstep.
+Hygiene, as leaked GPU processes are the classic failure of multi-process engines: a free port
+unless ``MASTER_PORT`` is set; workers ignore Ctrl-C and exit when their stdin (a pipe from rank
+0) closes; ``shutdown`` (also at garbage collection and exit) stops them, killing stragglers;
+a dead worker raises ``WorkerDiedError`` before the next step or when a collective loses it.
+With ``WORLD_SIZE`` set (torchrun, cluster launchers) rank 0 starts no workers and waits for
+``python -m nanovllm.engine.worker`` processes started elsewhere.
 """
 
 from __future__ import annotations
@@ -78,15 +66,11 @@ class TPExecutor:
         n = config.tensor_parallel_size
         external = "WORLD_SIZE" in os.environ  # ranks started by a launcher, maybe elsewhere
         if external and int(os.environ["WORLD_SIZE"]) != n:
-            raise ValueError(
-                f"WORLD_SIZE={os.environ['WORLD_SIZE']} in the environment but "
-                f"tensor_parallel_size={n}"
-            )
+            raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} in the environment but "
+                             f"tensor_parallel_size={n}")
         if external and int(os.environ.get("RANK", "0")) != 0:
-            raise ValueError(
-                "LLM(...) runs on rank 0 only; start the other ranks with "
-                "`python -m nanovllm.engine.worker`"
-            )
+            raise ValueError("LLM(...) runs on rank 0 only; start the other ranks with "
+                             "`python -m nanovllm.engine.worker`")
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = int(os.environ["MASTER_PORT"]) if "MASTER_PORT" in os.environ else free_port(host)
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -99,9 +83,7 @@ class TPExecutor:
         if not external:
             for rank in range(1, n):
                 self.workers.append(subprocess.Popen(
-                    _worker_command(), env=_worker_env(rank, n, host, port),
-                    stdin=subprocess.PIPE,
-                ))
+                    _worker_command(), env=_worker_env(rank, n, host, port), stdin=subprocess.PIPE))
         # Stop the workers even if nobody calls shutdown (the engine is dropped, or the
         # interpreter exits): this holds no reference to self, only to the process list.
         self._finalizer = weakref.finalize(self, _stop, self.workers, self.queue)
@@ -126,9 +108,8 @@ class TPExecutor:
         while not store.check(keys):
             self.check_workers()
             if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"tensor-parallel workers did not join within {STARTUP_TIMEOUT:.0f} s"
-                )
+                raise TimeoutError("tensor-parallel workers did not join within "
+                                   f"{STARTUP_TIMEOUT:.0f} s")
             time.sleep(0.05)
 
     def check_workers(self) -> None:
@@ -137,10 +118,9 @@ class TPExecutor:
             code = proc.poll()
             if code is not None:
                 how = f"signal {-code}" if code < 0 else f"exit code {code}"
-                raise WorkerDiedError(
-                    f"tensor-parallel worker rank {rank} (pid {proc.pid}) ended with {how}; "
-                    "the engine cannot continue (its traceback, if any, is above)"
-                )
+                raise WorkerDiedError(f"tensor-parallel worker rank {rank} (pid {proc.pid}) "
+                                      f"ended with {how}; the engine cannot continue (its "
+                                      "traceback, if any, is above)")
 
     def raise_if_a_worker_died(self, wait: float = 2.0) -> None:
         """After a failed step: raise ``WorkerDiedError`` if a worker is gone or goes within

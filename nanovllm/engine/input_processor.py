@@ -1,11 +1,9 @@
 """Turning a request into sequences: every check a request gets before it may enter the
 engine, and its request id (chapters 00, 01 and 10).
 
-``InputProcessor`` reads only settings fixed at start-up (the config, the model's
-vocabulary, the KV capacity), so any thread may call it: ``AsyncEngine`` validates in the
-submitting thread, and bad input raises ``ValueError`` there, never inside a step. It also
-fans a request with ``SamplingParams.n > 1`` out into its samples. ``RequestIds`` is the
-one place request ids are given out and checked.
+``InputProcessor`` reads only settings fixed at start-up, so any thread may call it: bad input
+raises ``ValueError`` in the submitting thread, never inside a step. It fans a request with
+``SamplingParams.n > 1`` out into its samples. ``RequestIds`` alone gives out request ids.
 """
 
 from __future__ import annotations
@@ -24,14 +22,8 @@ from nanovllm.validation import is_int
 
 
 class InputProcessor:
-    def __init__(
-        self,
-        config: EngineConfig,
-        model_config: ModelConfig,
-        tokenizer: Tokenizer | None,
-        eos_token_ids: set[int],
-        kv_capacity: int,
-    ) -> None:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig,
+                 tokenizer: Tokenizer | None, eos_token_ids: set[int], kv_capacity: int) -> None:
         self.config, self.model_config, self.tokenizer = config, model_config, tokenizer
         self.eos_token_ids = eos_token_ids
         self.kv_capacity = kv_capacity  # tokens the whole KV cache holds
@@ -53,13 +45,8 @@ class InputProcessor:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         return text, token_ids
 
-    def make_sequence(
-        self,
-        prompt: object,
-        params: SamplingParams,
-        request_id: str | None = None,
-        priority: int = 0,
-    ) -> Sequence:
+    def make_sequence(self, prompt: object, params: SamplingParams, request_id: str | None = None,
+                      priority: int = 0) -> Sequence:
         """Validate one request and wrap it in a Sequence (nothing enters the engine yet)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
@@ -71,24 +58,19 @@ class InputProcessor:
         text, token_ids = self.tokenize(prompt)
         limit = self.config.max_model_len
         if len(token_ids) >= limit:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens but max_model_len is {limit}; "
-                "it must leave room for at least one new token"
-            )
+            raise ValueError(f"prompt has {len(token_ids)} tokens but max_model_len is {limit}; "
+                             "it must leave room for at least one new token")
         longest = min(len(token_ids) + params.max_tokens, limit)
         capacity = self.kv_capacity
         if longest > capacity:
-            raise ValueError(
-                f"a request of up to {longest} tokens cannot fit in the KV cache "
-                f"({capacity} tokens); raise the KV budget or lower max_tokens"
-            )
+            raise ValueError(f"a request of up to {longest} tokens cannot fit in the KV cache "
+                             f"({capacity} tokens); raise the KV budget or lower max_tokens")
         budget = self.config.max_num_batched_tokens
         if not self.config.enable_chunked_prefill and longest > budget:
             # unchunked, a (re)computed prefill must fit one step, or it would wait forever
-            raise ValueError(
-                f"a request of up to {longest} tokens exceeds max_num_batched_tokens "
-                f"({budget}) and chunked prefill is off; enable it or raise the budget"
-            )
+            raise ValueError(f"a request of up to {longest} tokens exceeds "
+                             f"max_num_batched_tokens ({budget}) and chunked prefill is off; "
+                             "enable it or raise the budget")
         seq = Sequence(token_ids, params, request_id, text, int(priority))
         seq.bad_word_ids = bad_word_ids
         return seq
@@ -100,17 +82,13 @@ class InputProcessor:
         named = [*params.stop_token_ids, *(params.logit_bias or ())]
         named += params.allowed_token_ids or ()
         if any(t >= vocab for t in named):
-            raise ValueError(
-                f"stop_token_ids, logit_bias and allowed_token_ids must name token ids below "
-                f"the vocabulary size {vocab}"
-            )
+            raise ValueError("stop_token_ids, logit_bias and allowed_token_ids must name token ids "
+                             f"below the vocabulary size {vocab}")
         if params.bad_words and self.tokenizer is None:
             raise ValueError("bad_words needs a tokenizer; this model folder has none")
-        words = [
-            self.tokenizer.encode(spelling, add_special_tokens=False)
-            for word in params.bad_words or ()
-            for spelling in dict.fromkeys((word, " " + word.lstrip()))
-        ]
+        words = [self.tokenizer.encode(spelling, add_special_tokens=False)
+                 for word in params.bad_words or ()
+                 for spelling in dict.fromkeys((word, " " + word.lstrip()))]
         if params.allowed_token_ids:
             banned = {w[0] for w in words if len(w) == 1}
             if params.min_tokens:
@@ -120,13 +98,8 @@ class InputProcessor:
                 raise ValueError("every allowed_token_id is banned (bad_words or min_tokens)")
         return [w for w in words if w]
 
-    def make_sequences(
-        self,
-        prompt: object,
-        params: SamplingParams,
-        request_id: str | None = None,
-        priority: int = 0,
-    ) -> list[Sequence]:
+    def make_sequences(self, prompt: object, params: SamplingParams, request_id: str | None = None,
+                       priority: int = 0) -> list[Sequence]:
         """Validate one request and make a sequence for each of its ``params.n`` samples
         (vLLM's parallel sampling). Sample i has id ``f"{i}_{request_id}"`` and, with a
         seed, seed + i; only sample 0 computes prompt logprobs. Admitted together, the
@@ -160,18 +133,13 @@ class _Claim:
 
 
 class RequestIds:
-    """The one allocator of request ids: every way into the engine claims here
-    (``LLMEngine.add_request``/``add_sequence``; ``LLM.generate`` and ``AsyncEngine.submit``
-    through their ``OutputProcessor``).
+    """The one allocator of request ids: every way into the engine claims here.
 
-    A claimed id is in use until its request has ended for whoever reads it. A front end
-    claims with ``held=True`` and releases the id once it has the final output (so a
-    stream still being delivered keeps its id); a request added to the engine directly
-    frees its id when all its samples have finished. A user's id that is in use is refused
-    with ``ValueError``; a generated id is the next number not in use. A request of n > 1
-    samples claims its samples' ids too (``f"{i}_{id}"``, the engine's keys), so no other
-    request can take one of those. Any thread may claim: a lock guards the table.
-    """
+    A claimed id is in use until its request has ended for whoever reads it: a front end
+    claims with ``held=True`` and releases the id once it has the final output; a request
+    added to the engine directly frees it when all its samples have finished. A user's id in
+    use raises ``ValueError``; a generated id is the next number not in use. A request of n > 1
+    samples claims its samples' ids (``f"{i}_{id}"``) too. A lock guards the table."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -197,10 +165,8 @@ class RequestIds:
                 if taken:
                     raise ValueError(f"request id {taken[0]!r} is already in use")
             else:
-                request_id = next(
-                    str(n) for n in self._numbers
-                    if not any(self._in_use(k) for k in _keys(str(n), len(seqs)))
-                )
+                request_id = next(str(n) for n in self._numbers
+                                  if not any(self._in_use(k) for k in _keys(str(n), len(seqs))))
                 for seq in seqs:  # the samples' ids derive from the request's
                     seq.parent_id = request_id
                     seq.request_id = request_id if len(seqs) == 1 else f"{seq.index}_{request_id}"
@@ -213,9 +179,8 @@ class RequestIds:
         return request_id
 
     def release(self, request_id: str) -> None:
-        """A front end that claimed ``request_id`` with ``held=True`` is done with it: its
-        final output is out, or the request was aborted or never reached the engine. The
-        id is free again."""
+        """Free ``request_id``, claimed with ``held=True``: its final output is out, or the
+        request was aborted or never reached the engine."""
         with self._lock:
             claim = self._claims.get(request_id)
             if claim is None or not claim.held:

@@ -1,29 +1,13 @@
 """The leak check: the engine's KV bookkeeping verified between two steps (chapter 13).
 
-Chapter 04's property tests verify the block manager alone; this module verifies it inside a
-running engine, where the holders of blocks are the engine's own requests. Between two steps:
-
-1. every block is either free (``ref_count == 0``, in the free list) or held, never both;
-2. a block's ``ref_count`` equals the number of live requests whose block table holds it
-   (live: waiting, running, or retired with a token in flight; this engine preempts by
-   recomputation, so there is no swapped state);
-3. no finished or aborted request holds a block, and every request the scheduler holds is
-   a live, unfinished request of the engine;
-4. the prefix-cache index agrees with the blocks: each indexed hash names a full block that
-   carries that hash, each hashed block is the one indexed, and a live request's hashed
-   blocks hold its own tokens under its own chained hashes;
-5. with a sliding window (chapter 12, ``sliding_window.py``): the null block is held once, by
-   the manager, and never hashed; a request's released slots (the null block) are exactly its
-   first ``num_released_blocks``, and none of them is a block a future query can still see.
-   Released slots are nobody's holding: check 2 counts without them.
-
-``check_invariants(engine)`` raises ``InvariantError`` listing every violation with the
-request ids and block ids involved. It reads state only. ``checked_steps(engine)`` runs it
-after every ``step()`` of one engine, so that a finished request that kept its blocks is
-named at the step where it left (between checks, the requests seen at the previous check are
-remembered, so a leaker can be named after the engine has dropped it). The cost grows with
-the number of blocks and live tokens; the test suite runs it after every step
-(``tests/conftest.py``); production leaves it off.
+Chapter 04's tests verify the block manager alone; this verifies it inside a running engine:
+blocks free xor held; each ``ref_count`` equals the live requests (waiting, running, or
+retired with a token in flight) whose tables hold it; no finished request holds a block; the
+prefix index agrees with the blocks and with each live request's tokens; with a sliding window
+(chapter 12), the null block and the released slots are consistent. ``check_invariants`` reads
+state only and raises ``InvariantError`` naming requests and blocks; ``checked_steps`` runs it
+after every ``step()``, remembering the previous check's requests so that a leaker is named
+after the engine dropped it. The test suite runs it after every step; production does not.
 """
 
 from __future__ import annotations
@@ -131,11 +115,9 @@ def _departed_holders(engine: EngineState, live: list[Sequence]) -> list[str]:
     previous = _seen.get(engine, {})
     now = {s.seq_id: s for s in live}
     _seen[engine] = now
-    return [
-        f"request {s.request_id!r} left the engine ({s.status.name.lower()}, finish_reason "
-        f"{s.finish_reason!r}) but still holds block(s) {s.block_table}"
-        for seq_id, s in previous.items() if seq_id not in now and s.block_table
-    ]
+    return [f"request {s.request_id!r} left the engine ({s.status.name.lower()}, finish_reason "
+            f"{s.finish_reason!r}) but still holds block(s) {s.block_table}"
+            for seq_id, s in previous.items() if seq_id not in now and s.block_table]
 
 
 def _prefix_index_problems(bm: BlockManager, live: list[Sequence]) -> list[str]:

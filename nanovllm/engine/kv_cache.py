@@ -1,16 +1,10 @@
 """How many KV-cache blocks fit, and the one tensor that holds them (chapters 03 and 11).
 
-On a GPU, ``gpu_memory_utilization`` is this engine's share of the device, as in vLLM: two
-engines at 0.45 share one GPU. The runner notes the device's memory before it loads anything
-(``claim_gpu_share``, which refuses a share larger than what is free), loads the weights,
-runs one forward pass of its largest step to measure the activations, and gives the cache
-what is left of its share once everything this engine takes besides the cache is counted
-(``engine_bytes``). Other processes' memory, and other engines' in this process, never enter
-the budget; nor does what CUDA takes outside PyTorch (its context, kernels' code), for which
-the rest of the GPU leaves room. On a CPU, or with ``kv_cache_memory``, the budget is a
-number of bytes. Either way it is rounded down to whole blocks. The cache is then one zeroed
-tensor ``[2, layers, blocks, block_size, kv_heads, head_dim]``, and each attention layer holds
-its two slices. ``ModelRunner`` (``model_runner.py``) calls these once, at start-up.
+On a GPU, ``gpu_memory_utilization`` is this engine's share of the device, as in vLLM (two
+engines at 0.45 share one GPU): the cache gets what is left of the share after the weights, the
+largest step's activations and the CUDA graphs, counted in PyTorch's own numbers so that other
+processes never enter the budget. On a CPU, or with ``kv_cache_memory``, the budget is a number
+of bytes. The cache is one zeroed tensor ``[2, layers, blocks, block_size, kv_heads, head_dim]``.
 """
 
 from __future__ import annotations
@@ -56,8 +50,7 @@ def claim_gpu_share(config: EngineConfig, device: torch.device) -> int | None:
             f"{available / GiB:.2f} GiB are free: other processes, or another engine in this "
             f"process, hold the rest. Lower gpu_memory_utilization (at most "
             f"{math.floor(100 * available / total) / 100} here), free that memory (an engine "
-            "in this process: llm.shutdown() or del llm), or pass kv_cache_memory= explicitly"
-        )
+            "in this process: llm.shutdown() or del llm), or pass kv_cache_memory= explicitly")
     return allocated
 
 

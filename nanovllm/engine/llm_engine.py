@@ -1,27 +1,15 @@
 """The step loop: schedule -> execute -> update (chapters 00, 06, 11).
 
-The scheduler owns every request's state (``scheduler.py``): ``step()`` asks it for a
-``SchedulerOutput``, has the model runner execute that, and hands the sampled tokens back to
-``Scheduler.update_from_output``, the one function that advances a request.
+``step()`` asks the scheduler for a ``SchedulerOutput``, has the model runner execute it and
+hands the tokens to ``Scheduler.update_from_output``, the one function that advances a request;
+it returns one ``EngineCoreOutput`` per request that progressed and measures itself into
+``stats`` (and ``timeline``, if set: ``metrics.py``). ``make_sequence`` validates and may run
+in any thread; every other method belongs to one thread at a time (chapter 10).
 
-``add_request`` validates a request completely before it enters the engine, so bad input
-raises ``ValueError`` and never disturbs the requests already inside. ``make_sequence``
-(validation) reads only settings fixed at start-up, so other threads may call it; every
-other method changes engine state and belongs to one thread at a time (see
-``async_engine.py``, chapter 10). ``step()`` returns one ``EngineCoreOutput`` per request
-that progressed (``output_processor.py``). Each step is measured into ``stats``; set
-``timeline = TimelineRecorder()`` to also record who ran what (``metrics.py``).
-
-Which errors end one request and which end the engine
------------------------------------------------------
-An error that belongs to one request ends that request alone, with finish_reason "error"
-and the message in ``EngineCoreOutput.error``; its blocks are freed and every other
-request goes on. Such errors are those raised while the scheduling policy ranks it, while
-its inputs or sampling settings are prepared (both happen before the device runs anything,
-so the step is re-launched without it), and while its new token is applied (stop checks,
-detokenization). Everything else propagates out of ``step()``: the forward pass, the
-sampling kernels, CUDA errors and out-of-memory. Those are not one request's fault and may
-leave the device unusable; ``AsyncEngine`` then ends every stream with ``EngineError``.
+An error that is one request's (its ranking, its inputs or sampling settings, applying its
+token) ends that request alone with finish_reason "error"; the step is re-launched without it,
+as nothing ran yet. Anything else (forward pass, sampling kernels, CUDA, out of memory) may
+leave the device unusable and propagates out of ``step()``.
 """
 
 from __future__ import annotations
@@ -58,14 +46,11 @@ class LLMEngine:
             check_divisible(mc.num_heads, mc.num_kv_heads, mc.intermediate_size,
                             config.tensor_parallel_size)
         if config.max_model_len is None:
-            config.max_model_len = min(
-                self.model_config.max_position_embeddings, MAX_DEFAULT_MODEL_LEN
-            )
+            config.max_model_len = min(self.model_config.max_position_embeddings,
+                                       MAX_DEFAULT_MODEL_LEN)
         if config.max_model_len > self.model_config.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len {config.max_model_len} exceeds the model's "
-                f"max_position_embeddings {self.model_config.max_position_embeddings}"
-            )
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {self.model_config.max_position_embeddings}")
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -74,37 +59,25 @@ class LLMEngine:
         self.runner.sampling_inputs.eos_token_ids = self.eos_token_ids  # for min_tokens
         self.block_manager = make_block_manager(  # frees out-of-window blocks (chapter 12)
             self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching,
-            self.model_config.sliding_window,
-        )
+            self.model_config.sliding_window)
         stop_checker = StopChecker(self.tokenizer, self.eos_token_ids, config.max_model_len)
         self.scheduler = Scheduler(config, self.block_manager, stop_checker)
-        self.input_processor = InputProcessor(
-            config, self.model_config, self.tokenizer, self.eos_token_ids,
-            self.block_manager.num_blocks * config.block_size,
-        )
+        self.input_processor = InputProcessor(config, self.model_config, self.tokenizer,
+                                              self.eos_token_ids,
+                                              self.block_manager.num_blocks * config.block_size)
         self._in_flight: tuple[SchedulerOutput, InFlight] | None = None  # async scheduling
         self.stats = EngineStats()
         self.timeline: TimelineRecorder | None = None  # off by default: costs nothing
 
     # -- requests ------------------------------------------------------------------------
-    def make_sequence(
-        self,
-        prompt: object,
-        params: SamplingParams,
-        request_id: str | None = None,
-        priority: int = 0,
-    ) -> Sequence:
+    def make_sequence(self, prompt: object, params: SamplingParams, request_id: str | None = None,
+                      priority: int = 0) -> Sequence:
         """Validate one request and wrap it in a Sequence (nothing enters the engine yet;
         any thread may call this: ``input_processor.py``)."""
         return self.input_processor.make_sequence(prompt, params, request_id, priority)
 
-    def make_sequences(
-        self,
-        prompt: object,
-        params: SamplingParams,
-        request_id: str | None = None,
-        priority: int = 0,
-    ) -> list[Sequence]:
+    def make_sequences(self, prompt: object, params: SamplingParams, request_id: str | None = None,
+                       priority: int = 0) -> list[Sequence]:
         """``make_sequence`` for each of the request's ``params.n`` samples."""
         return self.input_processor.make_sequences(prompt, params, request_id, priority)
 
@@ -120,13 +93,8 @@ class LLMEngine:
         self.input_processor.request_ids.claim([seq])
         self.scheduler.add(seq)
 
-    def add_request(
-        self,
-        request_id: str | None,
-        prompt: object,
-        params: SamplingParams,
-        priority: int = 0,
-    ) -> str:
+    def add_request(self, request_id: str | None, prompt: object, params: SamplingParams,
+                    priority: int = 0) -> str:
         """Validate and queue one request (vLLM's signature); returns its id, generated
         when ``request_id`` is None. Its reports carry that id (and the sample's index)."""
         seqs = self.make_sequences(prompt, params, request_id, priority)
@@ -154,15 +122,11 @@ class LLMEngine:
 
     # -- the loop ------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
-        """Run one engine step: schedule, execute, update. Returns a report for each request
-        that got tokens or ended. ``Scheduler.update_from_output`` alone advances requests.
-
-        With ``async_scheduling`` a step's tokens arrive one call later: this call queues
-        step n on the GPU, then reads step n-1's tokens while the GPU computes, and the
-        next call schedules step n+1 meanwhile. Step n's sequences hold a placeholder for
-        their newest token until then (never reported); the GPU feeds the real one to step
-        n+1 directly.
-        """
+        """Run one engine step: schedule, execute, update; a report for each request that got
+        tokens or ended. With ``async_scheduling`` a step's tokens arrive one call later: this
+        call queues step n, then reads step n-1's tokens while the GPU computes. Until then step
+        n's sequences hold a placeholder (never reported); the GPU feeds the real token to step
+        n+1 directly."""
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule(start)
         model_output = self._execute(scheduler_output)
@@ -204,8 +168,7 @@ class LLMEngine:
         step = StepMetrics(
             self.stats.num_steps, start, end, len(batch), batch.num_tokens - num_decodes,
             num_decodes, len(sched.running), len(sched.waiting), bm.usage,
-            sched.num_preemptions, bm.prefix_hit_rate,
-        )
+            sched.num_preemptions, bm.prefix_hit_rate)
         self.stats.record(step)
         if self.timeline is not None:
             self.timeline.record(step.step, batch, start, end)

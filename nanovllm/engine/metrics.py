@@ -1,18 +1,9 @@
 """What the engine measures: per step, per request, and an optional timeline (chapters 06, 10).
 
-- Per request: timestamps and counters in ``RequestMetrics`` (``nanovllm/outputs.py``),
-  filled in by the scheduler and the step loop; it derives queue time, time to first
-  token, time per output token and end-to-end latency. ``latency_summary`` turns many of
-  them into means and percentiles.
-- Per step: ``StepMetrics`` (wall time, prefill and decode tokens, sequences, KV usage,
-  preemptions so far, prefix-cache hit rate so far), kept by ``EngineStats`` for the
-  last ``max_steps`` steps. Recording one costs a few attribute reads per step.
-- ``TimelineRecorder``: which request ran how many tokens (prefill chunk or decode) in
-  which step, with the step's start and end. Off by default; switch it on with
-  ``engine.timeline = TimelineRecorder()``. ``to_records()`` returns plain dicts that a
-  chapter plots as a Gantt chart.
-
-All times are ``time.perf_counter()`` seconds.
+Per request, ``RequestMetrics`` (``nanovllm/outputs.py``) and ``latency_summary`` over many;
+per step, ``StepMetrics`` kept by ``EngineStats`` (a few attribute reads per step); and, when
+switched on (``engine.timeline = TimelineRecorder()``), who ran which tokens in each step, for
+a Gantt chart. All times are ``time.perf_counter()`` seconds.
 """
 
 from __future__ import annotations
@@ -95,9 +86,7 @@ class TimelineRecorder:
         # (step, request_id, kind, num_tokens, start, end), kept as tuples: cheap to append
         self.entries: list[tuple[int, str, str, int, float, float]] = []
 
-    def record(
-        self, step: int, batch: SchedulerOutput, start: float, end: float
-    ) -> None:
+    def record(self, step: int, batch: SchedulerOutput, start: float, end: float) -> None:
         for seq, n, is_decode in zip(batch.seqs, batch.num_new_tokens, batch.is_decode):
             kind = "decode" if is_decode else "prefill"
             self.entries.append((step, seq.request_id, kind, n, start, end))
@@ -121,9 +110,8 @@ def _percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
-def latency_summary(
-    metrics: Iterable[RequestMetrics], percentiles: tuple[float, ...] = (50, 90, 99)
-) -> dict[str, dict[str, float]]:
+def latency_summary(metrics: Iterable[RequestMetrics],
+                    percentiles: tuple[float, ...] = (50, 90, 99)) -> dict[str, dict[str, float]]:
     """Mean and percentiles (seconds) of queue time, TTFT, TPOT and e2e latency.
 
     Requests for which a figure is undefined (e.g. TPOT of a one-token answer) are left

@@ -1,16 +1,10 @@
 """Turns a scheduled batch into tensors, runs the model and samples (chapters 04, 07, 11).
 
-The runner owns the model, the KV cache and the sampler. For each step it lays the new
-tokens of every scheduled sequence end to end (decodes first), computes where each new
-token's key and value go in the cache (the *slot mapping*), runs the forward pass under
-that attention metadata and samples one token for each sequence that reached its end.
-``launch`` queues all of that without waiting for the device; ``collect`` waits for the
-tokens. Between the two the engine may plan the next step (async scheduling, chapter 11).
-
-With ``tensor_parallel_size=N`` (chapter 09) this runner is rank 0: it starts N-1 workers
-(``executor.py``), each with a ``ModelRunner`` of its own shard, and sends each step's
-``StepPlan`` to them before running its own shard; a worker's runner ``follow``s the plan
-through the same forward pass and the same LM-head calls, so their collectives pair up.
+The runner owns the model, the KV cache and the sampler. ``launch`` packs a step
+(``step.py``), runs it and samples without waiting for the device; ``collect`` waits for the
+tokens (between the two the engine may plan the next step: async scheduling, chapter 11).
+With ``tensor_parallel_size=N`` (chapter 09) this is rank 0: it sends each ``StepPlan`` to
+N-1 workers, whose runners ``follow`` it through the same forward pass and LM-head calls.
 """
 
 from __future__ import annotations
@@ -24,16 +18,9 @@ import torch
 from nanovllm import distributed
 from nanovllm.config import EngineConfig
 from nanovllm.context import AttentionMetadata, attention_metadata
+from nanovllm.engine import kv_cache
 from nanovllm.engine.cuda_graphs import DecodeGraphs
 from nanovllm.engine.executor import TPExecutor
-from nanovllm.engine.kv_cache import (
-    activation_bytes,
-    allocate_kv_cache,
-    claim_gpu_share,
-    engine_bytes,
-    kv_budget_in_blocks,
-    kv_bytes_per_block,
-)
 from nanovllm.engine.sampling_metadata import SamplingInputs
 from nanovllm.engine.scheduler_output import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
@@ -67,13 +54,9 @@ def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def to_device(values: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host values -> device tensor without making the CPU wait for the GPU.
-
-    The copy goes through page-locked (pinned) memory, which the GPU reads by itself;
-    from ordinary memory the driver may first wait for the GPU's queue to drain, and
-    with async scheduling that queue holds the step being computed. (``pin_memory``
-    draws from PyTorch's cache of pinned blocks, so it is cheap after the first steps.)
-    """
+    """Host values -> device tensor without making the CPU wait for the GPU: through pinned
+    memory, since from ordinary memory the driver may first wait for the GPU's queue to drain
+    (with async scheduling it holds the step being computed). PyTorch caches pinned blocks."""
     host = torch.as_tensor(values, dtype=dtype)
     if device.type != "cuda":
         return host
@@ -107,7 +90,8 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)  # e4m3 for "fp8"
         self.block_size = config.block_size
-        at_start = claim_gpu_share(config, self.device)  # before the weights: the rest is ours
+        # Before loading anything: what is allocated from here on is this engine's.
+        at_start = kv_cache.claim_gpu_share(config, self.device)
         # kv_cache_dtype="fp8": the backend stores e4m3 and widens it on load (chapter 08)
         self.backend = select_backend(config, self.device)
         with building_with(self.backend):  # every attention layer takes it
@@ -119,14 +103,16 @@ class ModelRunner:
                        and self.backend.cuda_graphs)
         # How many blocks fit (chapter 03): on a GPU, this engine's share less what it takes
         # besides the cache (weights, the largest step's activations, graphs).
-        activations = (activation_bytes(self.model, config, self.device)
+        activations = (kv_cache.activation_bytes(self.model, config, self.device)
                        if self.device.type == "cuda" else 0.0)
-        used = engine_bytes(at_start, config, self.device, activations, with_graphs)
-        blocks = kv_budget_in_blocks(config, self.device, self.kv_bytes_per_block(), used)
+        used = kv_cache.engine_bytes(at_start, config, self.device, activations, with_graphs)
+        blocks = kv_cache.kv_budget_in_blocks(config, self.device, self.kv_bytes_per_block(),
+                                              used)
         # Every rank's cache must hold the same blocks: the smallest budget wins.
         self.num_kv_blocks = distributed.min_over_ranks(blocks, self.device)
-        self.kv_cache = allocate_kv_cache(model_config, self.attention_layers, self.num_kv_blocks,
-                                          self.block_size, self.kv_dtype, self.device)
+        self.kv_cache = kv_cache.allocate_kv_cache(model_config, self.attention_layers,
+                                                   self.num_kv_blocks, self.block_size,
+                                                   self.kv_dtype, self.device)
         self.sampler = Sampler(config.seed, self.device)
         self.sampling_inputs = SamplingInputs(model_config.vocab_size, self.device, self._to_device)
         self._in_flight_tokens = torch.empty(0, dtype=torch.int64, device=self.device)
@@ -151,9 +137,8 @@ class ModelRunner:
             checkpoint_format = read_checkpoint_quantization(self.config.model)
             load_safetensors(model, self.config.model, checkpoint_format)
         # Only now are packed layers complete: quantize them (chapter 08).
-        if process_weights_after_loading(model, self.config.quantization) and (
-            self.device.type == "cuda"
-        ):
+        quantized = process_weights_after_loading(model, self.config.quantization)
+        if quantized and self.device.type == "cuda":
             # The replaced high-precision weights sit in PyTorch's cache, which the KV budget
             # (free device memory) would count as taken: give them back to the driver.
             torch.cuda.empty_cache()
@@ -168,19 +153,13 @@ class ModelRunner:
     def _capture_graphs(self) -> None:
         self.graphs = None  # frees the old graphs' memory pool before capturing anew
         max_blocks = -(-self.config.max_model_len // self.block_size)
-        self.graphs = DecodeGraphs(
-            self.model,
-            self.config.max_num_seqs,
-            max_blocks,
-            self.block_size,
-            self.model_config.hidden_size,
-            self.device,
-            self.dtype,
-        )
+        self.graphs = DecodeGraphs(self.model, self.config.max_num_seqs, max_blocks,
+                                   self.block_size, self.model_config.hidden_size, self.device,
+                                   self.dtype)
 
     def kv_bytes_per_block(self) -> int:
         """Bytes of one block of this rank's cache (``kv_cache.kv_bytes_per_block``)."""
-        return kv_bytes_per_block(self.model_config, self.block_size, self.kv_dtype)
+        return kv_cache.kv_bytes_per_block(self.model_config, self.block_size, self.kv_dtype)
 
     # -- one step ------------------------------------------------------------------------
     def prepare(self, batch: SchedulerOutput) -> PreparedBatch:
@@ -199,10 +178,8 @@ class ModelRunner:
         input_ids = longs["input_ids"]
         if plan.has_patches:  # the previous step's tokens never visit the CPU on their way here
             input_ids[longs["patch_targets"]] = self._in_flight_tokens[longs["patch_sources"]]
-        return PreparedBatch(
-            plan, input_ids, longs["positions"], meta, longs["sample_indices"],
-            packed["sample_seqs"], packed["logit_rows"], packed["prompt_logprobs"],
-        )
+        return PreparedBatch(plan, input_ids, longs["positions"], meta, longs["sample_indices"],
+                             packed["sample_seqs"], packed["logit_rows"], packed["prompt_logprobs"])
 
     def _materialize(self, plan: StepPlan) -> tuple[dict[str, torch.Tensor], AttentionMetadata]:
         """The plan's device tensors: its int64 fields by name (``plan.longs``), and the
@@ -228,8 +205,7 @@ class ModelRunner:
         return longs, meta
 
     def forget(self, seq_ids: set[int]) -> None:
-        """Drop the per-sequence state of sequences that finished
-        (``SchedulerOutput.finished_seq_ids``)."""
+        """Drop the state of finished sequences (``SchedulerOutput.finished_seq_ids``)."""
         for seq_id in seq_ids:
             self.sampling_inputs.release(seq_id)
 
@@ -246,11 +222,8 @@ class ModelRunner:
         step = self.prepare(batch)
         sampling = self._sampling_inputs(step.sample_seqs) if step.sample_seqs else None
         plan = step.plan
-        plan.use_graphs = (
-            self.graphs is not None
-            and plan.num_decodes == plan.num_seqs
-            and self.graphs.can_run(plan.num_seqs)
-        )
+        plan.use_graphs = (self.graphs is not None and plan.num_decodes == plan.num_seqs
+                           and self.graphs.can_run(plan.num_seqs))
         try:
             if self.executor is not None:  # only now: nothing above may fail for one rank
                 self.executor.send(("step", plan))

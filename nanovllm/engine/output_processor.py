@@ -1,26 +1,21 @@
 """What a step reports, and what turns those reports into ``RequestOutput``s (chapters 00, 10).
 
-``LLMEngine.step()`` returns one ``EngineCoreOutput`` per request that progressed: the
-token ids new since its last report and, once it has ended, why (vLLM's v1 engine core
-speaks the same way). Everything else about a request — its text, its accumulated tokens —
-is the consumer's business: both front ends, ``LLM.generate`` and ``AsyncEngine``, hand the
-deltas to an ``OutputProcessor`` (vLLM's name), which keeps a ``RequestState`` per request
-and holds the request's id from its claim until its final output. So the engine never hands
-out a token that is still in flight (async scheduling) and never decodes text that nobody
-reads.
+``LLMEngine.step()`` returns one ``EngineCoreOutput`` per request that progressed: its new
+token ids and, once ended, why (as vLLM's v1 engine core does). Text and accumulated tokens are
+the front end's: its ``OutputProcessor`` keeps a ``RequestState`` per request, so the engine
+never hands out a token still in flight nor decodes text that nobody reads.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from nanovllm.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.sequence import Sequence
 from nanovllm.outputs import (
     CompletionOutput,
-    PositionLogprobs,
     RequestOutput,
     TokenLogprobs,
     position_logprobs,
@@ -50,22 +45,21 @@ class EngineCoreOutput:
         return self.finish_reason is not None
 
 
+@dataclass
 class _Sample:
     """What a consumer has heard so far of one of a request's samples."""
 
-    def __init__(self) -> None:
-        self.token_ids: list[int] = []
-        self.logprobs: list[TokenLogprobs] = []
-        self.last: EngineCoreOutput | None = None  # the latest report
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    last: EngineCoreOutput | None = None  # the latest report
 
 
 class RequestState:
     """A consumer's view of one request: the tokens of its ``n`` samples so far and, once
     all have finished, its ``RequestOutput``. ``seq`` is the request's (first) sequence."""
 
-    def __init__(
-        self, seq: Sequence, tokenizer, n: int = 1, stream: RequestStream | None = None
-    ) -> None:
+    def __init__(self, seq: Sequence, tokenizer, n: int = 1,
+                 stream: RequestStream | None = None) -> None:
         self.request_id = seq.parent_id
         self.stream = stream  # where AsyncEngine delivers the request; None for LLM.generate
         self.prompt = seq.prompt
@@ -101,7 +95,8 @@ class RequestState:
             self.finished,
             self.metrics,
             errors[0] if errors else None,
-            [self._logprobs(p) for p in self.prompt_logprobs] if with_prompt_logprobs else None,
+            [position_logprobs(p, self.tokenizer) for p in self.prompt_logprobs]
+            if with_prompt_logprobs else None,
         )
 
     def _completion(self, index: int, sample: _Sample) -> CompletionOutput:
@@ -116,12 +111,9 @@ class RequestState:
             last.finish_reason if last else None,
             last.stop_reason if last else None,
             sum(lp[1] for lp in sample.logprobs) if with_logprobs else None,
-            [self._logprobs(lp) for lp in sample.logprobs] if with_logprobs else None,
+            [position_logprobs(lp, self.tokenizer) for lp in sample.logprobs]
+            if with_logprobs else None,
         )
-
-    def _logprobs(self, entry: TokenLogprobs | None) -> PositionLogprobs | None:
-        """``{token id: Logprob}`` for the chosen token and the top k, with their texts."""
-        return position_logprobs(entry, self.tokenizer)
 
 
 class RequestUpdate(NamedTuple):
@@ -145,9 +137,8 @@ class OutputProcessor:
         self.request_ids = request_ids  # the engine's allocator (input_processor.py)
         self.states: dict[str, RequestState] = {}  # the unfinished requests, by id
 
-    def add_request(
-        self, seqs: list[Sequence], stream: RequestStream | None = None
-    ) -> RequestState:
+    def add_request(self, seqs: list[Sequence],
+                    stream: RequestStream | None = None) -> RequestState:
         """Track the request whose samples are ``seqs``, claiming its id (held until its
         final output) unless the front end claimed it already; ``ValueError`` if a user's
         id is in use. Add ``seqs`` to the engine after this."""

@@ -1,30 +1,12 @@
 """Scheduling policies: who is served first when not everyone fits (chapter 06).
 
-A policy ranks sequences, most important first: ``order(seqs, now) -> list``. Every step
-the scheduler hands it all unfinished sequences, running and waiting together, and then
-
-- gives the step's token budget to the running ones in that order,
-- admits waiting ones in that order, stopping at the first that does not fit (so a large
-  request is not overtaken forever by small ones),
-- when the KV cache runs out, preempts running ones from the other end of the order.
-
-Two optional attributes refine this. ``on_admit(seq, now)`` is called whenever a waiting
-sequence gets a slot, for policies that remember who was served (``fair``). With
-``preempts_to_admit = True`` a waiting sequence that cannot be admitted may evict running
-ones ranked below it; only set it when the ranking of two sequences does not flip from
-step to step, or the engine would thrash (evict, recompute, evict back...).
-
-Built in: ``"fcfs"``, ``"priority"`` (``PriorityPolicy``), ``"fair"`` (``FairPolicy``),
-``"mixed"`` (``MixedPolicy``). A custom policy is a class with an ``order`` method, or
-just a function, which ``get_policy`` wraps in ``FunctionPolicy``::
-
-    def shortest_prompt_first(seqs, now):
-        return sorted(seqs, key=lambda s: (s.num_prompt_tokens, s.metrics.arrival_time))
-
-    llm = LLM(path, scheduler_policy=shortest_prompt_first)
-    llm = LLM(path, scheduler_policy=PriorityPolicy(aging_rate=0.5))
-
-Give each engine its own policy object: ``FairPolicy`` keeps per-tenant state.
+A policy ranks sequences, most important first: ``order(seqs, now) -> list``, over all
+unfinished sequences every step; the scheduler serves, admits and preempts by that order.
+Optional: ``on_admit(seq, now)``, called when a waiting sequence gets a slot (``fair``), and
+``preempts_to_admit = True``, letting a waiting sequence evict running ones ranked below it
+(only for rankings that never flip between two sequences, or the engine thrashes). Built in:
+``POLICIES``; a custom policy is an object with ``order`` or a plain function (wrapped in
+``FunctionPolicy``). Give each engine its own policy object: ``FairPolicy`` keeps state.
 """
 
 from __future__ import annotations
@@ -65,22 +47,10 @@ class FCFS:
 
 
 class PriorityPolicy:
-    """Lower request ``priority`` first (``generate(..., priority=)``), with aging and
-    deadlines.
-
-    ``effective priority = priority - aging_rate * (now - arrival)
-                                     - aging_rate * (default_deadline - deadline)``
-
-    Waiting improves a request by ``aging_rate`` priority levels per second, so nothing
-    starves: a request outranks every later arrival that is less than
-    ``aging_rate * (seconds between them)`` levels more important. A ``deadline`` (seconds
-    after arrival) tighter than ``default_deadline`` counts as extra waiting; requests
-    without one get ``default_deadline``. Since every request ages at the same rate, the
-    order of two requests never changes with time (it equals ordering by the virtual due
-    time ``arrival + deadline + priority / aging_rate``), which makes it safe to evict a
-    lower-ranked running request to admit a higher-ranked one. ``aging_rate=0`` gives
-    strict priority (starvation possible), ties broken by earliest deadline, then arrival.
-    """
+    """Lower request ``priority`` first, aged by ``aging_rate`` levels per second of waiting
+    (nothing starves), a ``deadline`` tighter than ``default_deadline`` counting as time waited
+    (chapter 06 §6). All requests age alike, so two never swap places over time: evicting to
+    admit is safe. ``aging_rate=0``: strict priority, ties by deadline, then arrival."""
 
     preempts_to_admit = True
 
@@ -92,34 +62,23 @@ class PriorityPolicy:
         self.aging_rate, self.default_deadline = aging_rate, default_deadline
 
     def _deadline(self, seq: Sequence) -> float:
-        d = seq.params.deadline
-        return self.default_deadline if d is None else d
-
-    def effective_priority(self, seq: Sequence, now: float) -> float:
-        waited = now - seq.metrics.arrival_time
-        bonus = self.default_deadline - self._deadline(seq)
-        return seq.priority - self.aging_rate * (waited + bonus)
+        return self.default_deadline if seq.params.deadline is None else seq.params.deadline
 
     def order(self, seqs: list[Sequence], now: float) -> list[Sequence]:
         def key(seq: Sequence) -> tuple:
             due = seq.metrics.arrival_time + self._deadline(seq)
-            # effective_priority minus the term all requests share (aging_rate * now): the
-            # same order, but computed without `now`, so rounding cannot flip it over time.
+            # The effective priority (chapter 06 §6) less the term all requests share: the same
+            # order, but computed without `now`, so rounding cannot flip it over time.
             return (seq.priority + self.aging_rate * due, due, *_arrival(seq))
 
         return sorted(seqs, key=key)
 
 
 class FairPolicy:
-    """Round robin across tenants (``SamplingParams.user``; None is one shared tenant).
-
-    Each tenant's sequences are numbered 0, 1, 2, ... (running ones first, then by
-    arrival), and every tenant's number i comes before any tenant's number i + 1. With n
-    tenants competing, each holds about 1/n of the running slots, however many requests
-    it submitted. Between equal numbers the tenant admitted least recently goes first
-    (``on_admit`` remembers), so turns rotate even when slots free up one at a time. Ties
-    flip with every admission, so this policy never evicts to admit.
-    """
+    """Round robin across tenants (``SamplingParams.user``; None is one shared tenant): with n
+    tenants competing each holds about 1/n of the running slots, however many requests it sent.
+    Ties go to the tenant admitted least recently (``on_admit``), so turns rotate; as they flip
+    with every admission, this policy never evicts to admit."""
 
     preempts_to_admit = False
 
@@ -159,25 +118,17 @@ class FairPolicy:
 class MixedPolicy:
     """Reserved shares of the running slots per ``SamplingParams.request_class``.
 
-    ``MixedPolicy({"interactive": 0.8, "batch": 0.2})``: while both classes have work,
-    about 80% of the running sequences are interactive and 20% batch; a class without work
-    leaves its share to the others, so nothing idles. The k-th sequence of class c (running
-    ones first, then in the order of ``within``, FCFS by default) gets the tag
-    ``(k + 1) / share[c]`` and lower tags go first: weighted round robin. A request without
-    a class, or with one not listed, belongs to ``default_class`` (the first listed).
-    Tags move only when a sequence joins or leaves a class, so the order is stable and a
-    waiting request of a class below its share may evict the last-ranked running one: the
-    share is a reservation that batch work, having filled an idle engine, gives back.
-    """
+    ``MixedPolicy({"interactive": 0.8, "batch": 0.2})``: while both classes have work, about
+    80% of the running sequences are interactive; a class without work leaves its share to the
+    others. The k-th sequence of class c (running first, then by ``within``, FCFS by default)
+    gets the tag ``(k + 1) / share[c]``, lower first: weighted round robin. Unlisted classes
+    belong to ``default_class`` (the first listed). Tags move only when a class gains or loses
+    a sequence, so the order is stable and a class below its share may evict to admit."""
 
     preempts_to_admit = True
 
-    def __init__(
-        self,
-        shares: dict[str, float] | None = None,
-        default_class: str | None = None,
-        within: Policy | None = None,
-    ) -> None:
+    def __init__(self, shares: dict[str, float] | None = None, default_class: str | None = None,
+                 within: Policy | None = None) -> None:
         shares = dict(shares or {"interactive": 0.8, "batch": 0.2})
         if not shares or not all(isinstance(v, (int, float)) and v > 0 for v in shares.values()):
             raise ValueError(f"shares must map class names to numbers > 0, got {shares}")
@@ -228,9 +179,8 @@ POLICIES: dict[str, Callable[[], Policy]] = {
 }
 
 
-def rank_isolating_failures(
-    policy: Policy, seqs: list[Sequence], now: float
-) -> tuple[list[Sequence], list[tuple[Sequence, Exception]]]:
+def rank_isolating_failures(policy: Policy, seqs: list[Sequence],
+                            now: float) -> tuple[list[Sequence], list[tuple[Sequence, Exception]]]:
     """``policy``'s ranking of ``seqs`` (most important first), and the sequences it fails on
     when tried alone, with their errors, left out of the ranking. A policy that fails on no
     sequence alone, or on every one of several, is broken as a whole: its error propagates."""
@@ -263,9 +213,8 @@ def _fails_alone(policy: Policy, seq: Sequence, now: float) -> Exception | None:
 def get_policy(policy: str | Policy | OrderFn) -> Policy:
     """A policy from a name in ``POLICIES``, a policy object, or an ``order`` function.
 
-    Any other value raises ``ValueError`` (``check_scheduler_policy``, which ``EngineConfig``
-    runs on construction).
-    """
+    Any other value raises ``ValueError`` (``check_scheduler_policy``; ``EngineConfig`` runs
+    it on construction)."""
     check_scheduler_policy(policy)
     if isinstance(policy, str):
         return POLICIES[policy]()

@@ -1,14 +1,9 @@
 """One step's sampling inputs, built on the host from the requests' settings (chapter 01).
 
-For the rows being sampled, ``SamplingInputs.build`` turns each request's
-``SamplingParams`` and token history into the device tensors of the sampler
-(``SamplingTensors``: temperature, top-k/p, min-p, generators) and of the logits
-processors (``LogitsProcessingTensors``: penalties, logit bias, allowed tokens, banned
-tokens for ``min_tokens`` and bad words). Most steps need only the first: the rest is
-built only when some row asks for it. Everything travels in a few host-to-device copies
-and nothing waits for the device: with async scheduling (chapter 11) a request's newest
-token may still be in flight, and it is patched in on the device from the previous step's
-sampled tokens, as the model's input ids are.
+``SamplingInputs.build`` turns the sampled rows' ``SamplingParams`` and token histories into
+the sampler's tensors (``SamplingTensors``) and, only when some row asks for them, the logits
+processors' (``LogitsProcessingTensors``). Nothing waits for the device: a token still in flight
+(async scheduling, chapter 11) is patched in on the device from the previous step's tokens.
 """
 
 from __future__ import annotations
@@ -44,9 +39,8 @@ class SamplingInputs:
             self._prompts[seq.seq_id] = np.array(seq.token_ids[: seq.num_prompt_tokens])
         return self._prompts[seq.seq_id]
 
-    def build(
-        self, seqs: list[Sequence], in_flight: tuple[torch.Tensor, dict[int, int]]
-    ) -> tuple[SamplingTensors, LogitsProcessingTensors | None]:
+    def build(self, seqs: list[Sequence], in_flight: tuple[torch.Tensor, dict[int, int]]
+              ) -> tuple[SamplingTensors, LogitsProcessingTensors | None]:
         """``in_flight``: the previous step's sampled tokens (device) and each sequence's row
         in them, for tokens still shown as placeholders on the host."""
         return self._sampling(seqs), self._processing(seqs, in_flight)
@@ -56,11 +50,8 @@ class SamplingInputs:
         any_filter = any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params)
         columns = [[p.temperature for p in params]]
         if any_filter:  # most steps need no filter tensors: skip building them
-            columns += [
-                [p.top_k if p.top_k > 0 else self.vocab_size for p in params],
-                [p.top_p for p in params],
-                [p.min_p for p in params],
-            ]
+            columns += [[p.top_k if p.top_k > 0 else self.vocab_size for p in params],
+                        [p.top_p for p in params], [p.min_p for p in params]]
         table = self.to_device(columns, torch.float32)
         return SamplingTensors(
             temperatures=table[0],
@@ -82,31 +73,25 @@ class SamplingInputs:
 
     def _processing(self, seqs: list[Sequence], in_flight) -> LogitsProcessingTensors | None:
         params = [s.params for s in seqs]
-        penalties = [
-            p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
-            for p in params
-        ]
+        penalties = [p.presence_penalty != 0 or p.frequency_penalty != 0
+                     or p.repetition_penalty != 1 for p in params]
         sequences = [[w for w in s.bad_word_ids if len(w) > 1] for s in seqs]
         holds_back = [s.num_output_tokens < s.params.min_tokens for s in seqs]
-        if not (
-            any(penalties) or any(sequences) or any(holds_back)
-            or any(s.bad_word_ids for s in seqs)
-            or any(p.logit_bias or p.allowed_token_ids for p in params)
-        ):
+        if not (any(penalties) or any(sequences) or any(holds_back)
+                or any(s.bad_word_ids for s in seqs)
+                or any(p.logit_bias or p.allowed_token_ids for p in params)):
             return None  # the common case: nothing to do
         t = LogitsProcessingTensors()
         if any(penalties) or any(sequences):
             t.output_ids, t.output_lens = self._outputs(seqs, penalties, sequences, in_flight)
         if any(penalties):
-            t.prompt_ids = self._padded(
-                [self._prompt(s) if on else [] for s, on in zip(seqs, penalties)]
-            )
+            t.prompt_ids = self._padded([self._prompt(s) if on else []
+                                         for s, on in zip(seqs, penalties)])
             t.presence_penalty, t.frequency_penalty, t.repetition_penalty = self.to_device(
                 [[p.presence_penalty for p in params], [p.frequency_penalty for p in params],
-                 [p.repetition_penalty for p in params]],
-                torch.float32,
-            )
-        bias = [(r, tok, v) for r, p in enumerate(params) for tok, v in _items(p.logit_bias)]
+                 [p.repetition_penalty for p in params]], torch.float32)
+        bias = [(r, tok, v) for r, p in enumerate(params)
+                for tok, v in (p.logit_bias or {}).items()]
         if bias:
             rows, tokens, values = zip(*bias)
             t.bias = (*self._ids([rows, tokens]), self.to_device(values, torch.float32))
@@ -132,17 +117,13 @@ class SamplingInputs:
     def _outputs(self, seqs, penalties, sequences, in_flight):
         """Generated tokens of the rows that need them ([B, Lo], padded with -1), with the
         in-flight placeholder patched in on the device, and their counts."""
-        outputs = [
-            s.output_token_ids if on or seq_words else []
-            for s, on, seq_words in zip(seqs, penalties, sequences)
-        ]
+        outputs = [s.output_token_ids if on or seq_words else []
+                   for s, on, seq_words in zip(seqs, penalties, sequences)]
         ids = self._padded(outputs)
         tokens, rows_of = in_flight
-        patches = [
-            (r, len(out) - 1, rows_of[s.seq_id])
-            for r, (s, out) in enumerate(zip(seqs, outputs))
-            if out and out[-1] == PLACEHOLDER
-        ]
+        patches = [(r, len(out) - 1, rows_of[s.seq_id])
+                   for r, (s, out) in enumerate(zip(seqs, outputs))
+                   if out and out[-1] == PLACEHOLDER]
         if patches:
             rows, cols, sources = self._ids(list(zip(*patches)))
             ids[rows, cols] = tokens[sources]
@@ -169,7 +150,3 @@ class SamplingInputs:
 
     def _ids(self, columns: list) -> torch.Tensor:
         return self.to_device(np.array(columns, dtype=np.int64), torch.int64)
-
-
-def _items(bias: dict[int, float] | None) -> list:
-    return list(bias.items()) if bias else []

@@ -1,33 +1,13 @@
 """Continuous batching under a token budget, and the one owner of request state (chapter 06;
 block accounting in chapter 04).
 
-The scheduler owns every unfinished request (``requests``) and is the only writer of its
-progress. A step reads as three calls (``LLMEngine.step``): ``schedule()`` returns a
-``SchedulerOutput`` (``scheduler_output.py``), the model runner executes it, and
-``update_from_output()`` advances ``num_computed_tokens`` by what ran, appends the sampled
-tokens (a placeholder first while a token is in flight, async scheduling, chapter 11), checks
-stop and length (``stop_checker.py``), registers full blocks for prefix caching and frees what
-finished. The block manager answers questions (``can_allocate``, ``num_blocks_to_allocate``,
-``num_freeable_blocks``) and keeps the block tables; it never moves a request's progress.
-
-Every step the scheduler hands the model runner a list of (sequence, number of new tokens)
-whose total stays within ``max_num_batched_tokens``. The policy (``policies.py``) first
-ranks all unfinished sequences. Running sequences go first, in that order: a decoding
-sequence needs one token, a sequence whose prompt was cut into chunks needs its next
-chunk. Remaining budget admits waiting sequences in that order, each starting after its
-cached prefix. Prefill chunks and decode tokens share one step. When the KV cache has no
-block left for a running sequence, the lowest-ranked running sequence is preempted: its
-blocks are freed and it will be recomputed later (recompute preemption; with prefix
-caching its freed blocks often survive and make the recomputation cheap). Policies that
-declare ``preempts_to_admit`` may also evict lower-ranked running sequences to admit a
-higher-ranked waiting one, e.g. a high-priority request arriving at a full engine.
-For a sliding-window model, each step first gives back the blocks of running sequences that
-the window has passed (chapter 12, ``sliding_window.py``).
-
-A policy that raises is tried on each sequence alone: the sequences it fails on end with
-finish_reason "error" (reported by the next ``update_from_output``) and the step goes on
-without them. A policy that fails on no sequence alone, or on every one of
-several, is broken as a whole, and its error propagates.
+A step is ``schedule()`` (a ``SchedulerOutput``), the model runner, then
+``update_from_output()``: the one place a request progresses (computed tokens, sampled
+tokens with placeholders while in flight: chapter 11; stop; freeing). The block manager only
+answers questions and keeps block tables; a sliding window's release runs first (chapter 12).
+Running sequences are served in the policy's order, waiting ones admitted into what is left of
+the token budget, and an exhausted KV cache preempts the lowest-ranked by recomputation
+(chapter 06 §1 and §5). A policy error that is one request's ends that request alone.
 """
 
 from __future__ import annotations
@@ -49,10 +29,8 @@ logger = logging.getLogger("nanovllm")
 
 
 class Scheduler:
-    def __init__(
-        self, config: EngineConfig, block_manager: BlockManager,
-        stop_checker: StopChecker | None = None,
-    ) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager,
+                 stop_checker: StopChecker | None = None) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.chunked_prefill = config.enable_chunked_prefill
@@ -101,9 +79,8 @@ class Scheduler:
         return batch
 
     def _schedule_running(self, ranked: list[Sequence], batch: SchedulerOutput) -> bool:
-        """Serve the running sequences in rank order, preempting when the KV cache runs out.
-
-        Returns whether it preempted anything.
+        """Serve the running sequences in rank order, preempting when the KV cache runs out;
+        returns whether it preempted anything.
 
         Handout (chapter 06 §1 and §5, recompute preemption). ``ranked``: every running
         sequence, most important first; ``batch``: this step's ``SchedulerOutput``, empty.
@@ -148,9 +125,8 @@ class Scheduler:
         return preempted
         # <<< assignment 06.preempt
 
-    def _admit(
-        self, ranked: list[Sequence], batch: SchedulerOutput, rank: dict[int, int], now: float
-    ) -> None:
+    def _admit(self, ranked: list[Sequence], batch: SchedulerOutput, rank: dict[int, int],
+               now: float) -> None:
         """Admit waiting sequences, most important first, into what is left of this step.
 
         Handout (chapter 06 §1 and §4, admission and chunked prefill). ``ranked``: the
@@ -204,9 +180,8 @@ class Scheduler:
         self.waiting = [s for s in self.waiting if s.status is SequenceStatus.WAITING]
         # <<< assignment 06.admit
 
-    def _fit(
-        self, seq: Sequence, n: int, cached: list[int], rank: dict, batch: SchedulerOutput
-    ) -> bool:
+    def _fit(self, seq: Sequence, n: int, cached: list[int], rank: dict,
+             batch: SchedulerOutput) -> bool:
         """Give ``seq`` a slot and blocks, evicting lower-ranked running sequences if the
         policy allows it and that makes enough room; False if it does not fit."""
         bm = self.block_manager
@@ -220,11 +195,7 @@ class Scheduler:
         if not lower or needed > bm.num_free_blocks + bm.num_freeable_blocks(lower):
             return False  # evicting would not make room: leave the running ones alone
         while lower:
-            victim = lower.pop()  # the least important first
-            self.running.remove(victim)
-            batch.remove(victim)
-            self._preempt(victim)
-            batch.preempted.append(victim)
+            self._evict(lower.pop(), batch)  # the least important first
             if len(self.running) < self.max_num_seqs and bm.allocate(seq, n, cached):
                 return True
         return False
@@ -247,20 +218,22 @@ class Scheduler:
         # Preempting one may orphan blocks that another adopted from it: repeat until none.
         while orphans := self.block_manager.take_orphans():
             for seq in [s for s in batch.seqs if not orphans.isdisjoint(s.block_table)]:
-                batch.remove(seq)
-                self.running.remove(seq)
-                self._preempt(seq)
-                batch.preempted.append(seq)
+                self._evict(seq, batch)
+
+    def _evict(self, seq: Sequence, batch: SchedulerOutput) -> None:
+        """Take a scheduled ``seq`` out of ``self.running`` and this step, and preempt it."""
+        self.running.remove(seq)
+        batch.remove(seq)
+        self._preempt(seq)
+        batch.preempted.append(seq)
 
     # -- after the model ran ---------------------------------------------------------------
-    def update_from_output(
-        self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput | None
-    ) -> list[EngineCoreOutput]:
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_output: ModelRunnerOutput | None) -> list[EngineCoreOutput]:
         """The one place a request progresses: ``scheduler_output``'s tokens count as computed
         and each sequence that sampled gets a placeholder; then ``model_output``'s tokens
         replace their placeholders, stop and length are checked, full blocks registered and
         finished requests freed. Returns a report per request that got tokens or ended.
-
         ``model_output`` is the step just run, or with async scheduling the one before it
         (whose tokens arrived while this one was queued on the device), or None."""
         outputs, self._reports = self._reports, []
@@ -270,11 +243,8 @@ class Scheduler:
         return outputs
 
     def _advance(self, launched: SchedulerOutput, landed: ModelRunnerOutput | None) -> list[int]:
-        """Advance a launched step's sequences, and put a landed step's tokens in place.
-
-        Count ``launched``'s tokens as computed, holding a placeholder for each token it
-        samples; then write ``landed``'s sampled tokens over theirs. Returns the indices
-        (into ``landed.step.seqs``, ascending) of the tokens written.
+        """Advance a launched step's sequences, and put a landed step's tokens in place;
+        returns the indices (into ``landed.step.seqs``, ascending) of the tokens written.
 
         Handout (chapter 11 §4.2, async scheduling: the placeholder protocol). ``launched``
         is the step just queued on the device; ``landed`` the step whose tokens reached the
@@ -369,9 +339,8 @@ class Scheduler:
         return outputs
 
     # -- endings ---------------------------------------------------------------------------
-    def finish_requests(
-        self, request_ids: str | Iterable[str], reason: str = "abort"
-    ) -> list[EngineCoreOutput]:
+    def finish_requests(self, request_ids: str | Iterable[str],
+                        reason: str = "abort") -> list[EngineCoreOutput]:
         """End every sample of these requests (unknown ids are ignored); their reports."""
         ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
         doomed = [s for s in self.requests.values() if s.parent_id in ids]
@@ -385,14 +354,8 @@ class Scheduler:
             self._reports.append(self._finish(seq, "error", error=_describe(err)))
         self.drop_orphans(step)
 
-    def _finish(
-        self,
-        seq: Sequence,
-        reason: str,
-        stop_reason: int | str | None = None,
-        error: str | None = None,
-        new_token_ids: list[int] = (),
-    ) -> EngineCoreOutput:
+    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None,
+                error: str | None = None, new_token_ids: list[int] = ()) -> EngineCoreOutput:
         """The one way a request ends: blocks freed, state dropped, its final report."""
         if error is not None:
             logger.warning("request %r failed: %s", seq.request_id, error)
@@ -401,9 +364,8 @@ class Scheduler:
         self._finished_seq_ids.add(seq.seq_id)
         while seq.token_ids and seq.token_ids[-1] == PLACEHOLDER:  # an in-flight token
             seq.token_ids.pop()
-        return EngineCoreOutput(
-            seq.parent_id, list(new_token_ids), reason, stop_reason, error, index=seq.index
-        )
+        return EngineCoreOutput(seq.parent_id, list(new_token_ids), reason, stop_reason, error,
+                                index=seq.index)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End ``seq`` (running, waiting, or retired with its last token in flight) and

@@ -1,10 +1,7 @@
 """What crosses between the scheduler and the model runner each step (chapters 06, 11).
 
-``Scheduler.schedule()`` returns a ``SchedulerOutput``: which sequences run, how many new
-tokens each computes, what was preempted to make room and which sequences finished since
-the last step (the runner forgets their per-request state). The runner executes it; the
-sampled tokens come back as a ``ModelRunnerOutput``, which ``Scheduler.update_from_output``
-alone turns into request progress (vLLM v1's shape: ``vllm/v1/core/sched/output.py``).
+``Scheduler.schedule()`` returns a ``SchedulerOutput``; the runner's sampled tokens come back
+as a ``ModelRunnerOutput`` (vLLM v1's shape: ``vllm/v1/core/sched/output.py``).
 """
 
 from __future__ import annotations
@@ -22,24 +19,18 @@ if TYPE_CHECKING:
 class SchedulerOutput:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
-    num_tokens: int = field(init=False)  # sum of num_new_tokens, kept up to date
-    # per sequence: its step is one token after the whole prompt (a decode), and its step
-    # reaches its last token (so the runner samples the next one); read when scheduled
-    is_decode: list[bool] = field(default_factory=list)
-    samples: list[bool] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)  # during this schedule()
     finished_seq_ids: set[int] = field(default_factory=set)  # since the previous step
 
     def __post_init__(self) -> None:
-        self.num_tokens = sum(self.num_new_tokens)
-        self.is_decode = self.is_decode or [
-            n == 1 and s.num_computed_tokens >= s.num_prompt_tokens
-            for s, n in zip(self.seqs, self.num_new_tokens)
-        ]
-        self.samples = self.samples or [
-            s.num_computed_tokens + n == s.num_tokens
-            for s, n in zip(self.seqs, self.num_new_tokens)
-        ]
+        seqs, counts = self.seqs, self.num_new_tokens
+        self.seqs, self.num_new_tokens, self.num_tokens = [], [], 0  # sum of num_new_tokens
+        # per sequence: its step is one token after the whole prompt (a decode), and its step
+        # reaches its last token (so the runner samples the next one); read when scheduled
+        self.is_decode: list[bool] = []
+        self.samples: list[bool] = []
+        for seq, n in zip(seqs, counts):
+            self.add(seq, n)
 
     def add(self, seq: Sequence, n: int) -> None:
         """Schedule ``n`` new tokens of ``seq``, after its ``num_computed_tokens``."""

@@ -25,22 +25,13 @@ class SequenceStatus(Enum):
 
 class Sequence:
     """Prompt plus generated tokens, the KV blocks that hold them, and bookkeeping.
-
-    ``num_computed_tokens`` counts tokens whose keys and values are in the cache; the
-    scheduler gives each step's sequences some of the rest to compute (a whole prompt, a
-    chunk of one, or the single newest token when decoding).
-    """
+    ``num_computed_tokens`` counts tokens whose keys and values are in the cache."""
 
     _ids = itertools.count()
 
-    def __init__(
-        self,
-        token_ids: list[int],
-        params: SamplingParams,
-        request_id: str | None = None,
-        prompt: str | None = None,
-        priority: int = 0,
-    ) -> None:
+    def __init__(self, token_ids: list[int], params: SamplingParams,
+                 request_id: str | None = None, prompt: str | None = None,
+                 priority: int = 0) -> None:
         self.seq_id = next(Sequence._ids)
         self.has_user_request_id = request_id is not None
         # Without a user's id, a placeholder until the engine gives one (RequestIds.claim)
@@ -93,7 +84,5 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     def __repr__(self) -> str:
-        return (
-            f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, "
-            f"computed={self.num_computed_tokens}, {self.status.name})"
-        )
+        return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, {self.status.name})")

@@ -1,22 +1,11 @@
 """Rank 0's step messages to the workers of one host, through shared memory (chapter 09).
 
-Every engine step rank 0 tells each tensor-parallel worker what to run (a ``StepPlan``, a
-few kilobytes). A gloo broadcast of it pays for pickling, two collectives and the loopback
-TCP stack: 0.6 ms from send to receipt on a 2-core host, 1 ms on an H200 machine's 16-core
-host. Here rank 0 writes the pickled message into a ring of slots in a shared-memory file,
-and each worker polls that file: about 0.1 ms on both (``python -m
-nanovllm.benchmarks.control_plane`` measures the two ways). vLLM's ``MessageQueue`` (its
-``shm_broadcast.py``) is the same idea.
-
-The ring holds ``slots`` chunks of ``slot_bytes``; a larger message takes several
-consecutive chunks. Each chunk carries a header ``(number, length, more)``. ``number`` counts
-chunks from 1 and is written last, so a reader that sees its next number sees a complete
-chunk. Each reader publishes how many chunks it has read; the writer reuses a slot only
-once every reader is past it. One writer, any number of readers, all on one host: ranks on
-other hosts still receive their steps over gloo (``executor.py``).
-
-Hygiene: the file lives in ``/dev/shm`` under a random name, and rank 0 deletes its name as
-soon as every worker has mapped it, so nothing is left behind even when a process is killed.
+Chapter 09 §7.1 measures it against a gloo broadcast; vLLM's ``MessageQueue`` is the same idea.
+The pickled message fills one or more chunks of a ring of ``slots`` slots; each chunk's header
+``(number, length, more)`` has its ``number`` written last, so a reader that sees its next
+number sees a complete chunk. Each reader publishes how many chunks it has read, and the one
+writer reuses a slot only once every reader is past it. The file in ``/dev/shm`` loses its name
+as soon as every worker has mapped it, so nothing is left behind.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """What one engine step carries between the scheduler, the model runner and its workers.
 
-``pack_step`` lays a scheduled step's new tokens end to end and computes where each one's key
-and value go in the paged cache (chapter 04). ``StepPlan`` is those model inputs as host arrays
-(what a tensor-parallel worker receives, chapter 09), packed by ``PackedArrays`` into one named
-buffer per dtype; ``PreparedBatch`` is the same step on the device, with what rank 0 needs to
-sample; ``InFlight`` is a launched step whose tokens may still be on their way to the host
-(async scheduling, chapter 11). ``ModelRunner`` (``model_runner.py``) makes and consumes them.
+``pack_step`` lays a step's new tokens end to end with their cache slots (chapter 04);
+``StepPlan`` holds them as host arrays, one ``PackedArrays`` buffer per dtype (what a
+tensor-parallel worker receives, chapter 09); ``PreparedBatch`` is the step on the device, and
+``InFlight`` a launched step whose tokens may still be on their way (chapter 11).
 """
 
 from __future__ import annotations
@@ -25,12 +23,9 @@ Buffer = TypeVar("Buffer", np.ndarray, torch.Tensor)
 
 @dataclass(frozen=True, eq=False)
 class PackedArrays:
-    """Named arrays of one dtype laid end to end in one flat buffer.
-
-    One buffer means one host-to-device copy for all of them; the names and shapes travel
-    with it, so whoever unpacks it (rank 0 after its copy to the device, or a worker that
-    received the pickled plan) finds each array by name rather than by offset arithmetic that
-    must agree with the packer's."""
+    """Named arrays of one dtype laid end to end in one flat buffer: one host-to-device copy
+    for all of them. The names and shapes travel with it, so whoever unpacks it (rank 0 on the
+    device, or a worker that received the plan) finds each array by name, not by offsets."""
 
     buffer: np.ndarray  # 1-D: the arrays' values, in the order of ``shapes``
     shapes: dict[str, tuple[int, ...]]  # name -> shape, in buffer order
@@ -69,10 +64,8 @@ LONG_FIELDS = ("input_ids", "positions", "slot_mapping", "sample_indices", "patc
 INT_FIELDS = ("cu_seqlens_q", "seq_lens_k", "block_tables")
 
 
-def pack_step(
-    seqs: list[Sequence], num_new_tokens: list[int], block_size: int,
-    in_flight_rows: dict[int, int],
-) -> dict[str, list]:
+def pack_step(seqs: list[Sequence], num_new_tokens: list[int], block_size: int,
+              in_flight_rows: dict[int, int]) -> dict[str, list]:
     """Lay one step's new tokens end to end, decodes first: the model's inputs, on the host.
 
     Handout (chapter 04 §1.3, assignment ``04.prepare``). Sequence ``seqs[i]`` computes

@@ -1,8 +1,7 @@
 """When a request ends: EOS, stop tokens, stop strings and its length limit (chapters 01, 06).
 
-The scheduler asks after every new token (``Scheduler.update_from_output``), and before a step
-runs, whether the token in flight will be the last one for length (async scheduling,
-chapter 11): both questions use ``reached_length``, the one length predicate.
+``reached_length`` is the one length predicate: for a new token, and for the token still in
+flight (async scheduling, chapter 11).
 """
 
 from __future__ import annotations

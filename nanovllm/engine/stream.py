@@ -1,11 +1,8 @@
 """The stream transport: how a request's tokens travel from the engine thread to the
 thread (or asyncio task) that reads them (chapter 10).
 
-``AsyncEngine`` (``async_engine.py``) gives each request a ``RequestStream``. Its engine
-thread sends ``Item``s (token ids, logprobs, and how a sample or the request ended) through
-a queue; the reader turns them into ``StreamChunk``s (``nanovllm/outputs.py``), detokenizing
-incrementally in its own thread so that the step loop stays lean. ``AsyncRequestStream``
-reads the same items through an ``asyncio.Queue``.
+The engine thread sends ``Item``s through a queue; the reader turns them into ``StreamChunk``s,
+detokenizing in its own thread so that the step loop stays lean.
 """
 
 from __future__ import annotations
@@ -39,11 +36,9 @@ class Item(NamedTuple):
 
 
 class RequestStream:
-    """One request's output: iterate it for ``StreamChunk``s, or call ``result()``.
-
-    The engine thread calls ``push``/``end``; one consumer thread reads. Items travel
-    through a ``SimpleQueue`` (or, via ``sink``, an asyncio queue), in order.
-    """
+    """One request's output: iterate it for ``StreamChunk``s, or call ``result()``. The engine
+    thread calls ``push``/``end``; one consumer reads, in order, through a ``SimpleQueue`` (or,
+    via ``sink``, an asyncio queue)."""
 
     def __init__(self, request_id: str, tokenizer: Any, params: SamplingParams) -> None:
         self.request_id = request_id
@@ -59,24 +54,15 @@ class RequestStream:
         self._read_to_end = False  # a second iteration then ends at once instead of blocking
 
     # -- engine-thread side ------------------------------------------------------------
-    def push(
-        self,
-        token_ids: list[int],
-        index: int = 0,
-        logprobs: list[TokenLogprobs] | None = None,
-        completion: CompletionOutput | None = None,
-    ) -> None:
+    def push(self, token_ids: list[int], index: int = 0,
+             logprobs: list[TokenLogprobs] | None = None,
+             completion: CompletionOutput | None = None) -> None:
         """New tokens of sample ``index``; with ``completion``, that sample has ended."""
         self.sink(Item(token_ids, index, logprobs, completion))
 
-    def end(
-        self,
-        token_ids: Iterable[int] = (),
-        output: RequestOutput | None = None,
-        error: BaseException | None = None,
-        index: int = 0,
-        logprobs: list[TokenLogprobs] | None = None,
-    ) -> None:
+    def end(self, token_ids: Iterable[int] = (), output: RequestOutput | None = None,
+            error: BaseException | None = None, index: int = 0,
+            logprobs: list[TokenLogprobs] | None = None) -> None:
         """The request has ended: the last tokens (of sample ``index``) and its ``output``,
         or the ``error`` that stopped the engine."""
         self._output, self._error = output, error  # set before waking anyone up
@@ -114,24 +100,21 @@ class RequestStream:
             text = detokenizer.push(token_ids)
             return StreamChunk(self.request_id, token_ids, text, index=index, logprobs=logprobs)
         text = detokenizer.finish(completion.text)  # the final text is cut at a stop string
-        return StreamChunk(
-            self.request_id, token_ids, text, item.output is not None,
-            completion.finish_reason, item.output, index, logprobs, completion.stop_reason,
-        )
+        return StreamChunk(self.request_id, token_ids, text, item.output is not None,
+                           completion.finish_reason, item.output, index, logprobs,
+                           completion.stop_reason)
 
     def __iter__(self) -> Iterator[StreamChunk]:
         while not self._read_to_end:
             yield self.to_chunk(self._items.get())
 
 
-
 class AsyncRequestStream:
     """A ``RequestStream`` read through asyncio (``async for``); leaving the loop early
     (a ``break``, a cancelled task) calls ``abort`` with the request's id."""
 
-    def __init__(
-        self, stream: RequestStream, items: asyncio.Queue, abort: Callable[[str], Any]
-    ) -> None:
+    def __init__(self, stream: RequestStream, items: asyncio.Queue,
+                 abort: Callable[[str], Any]) -> None:
         self.stream, self._items, self._abort = stream, items, abort
         self.request_id = stream.request_id
 

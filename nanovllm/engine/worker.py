@@ -1,15 +1,13 @@
 """A tensor-parallel worker: one shard of the model, following rank 0 (chapter 09).
 
-Rank 0 starts these itself (``executor.py``). To spread ranks over several hosts, start
-one per extra GPU with torch.distributed's environment variables, e.g. on a second host::
+Rank 0 starts these itself (``executor.py``). To spread ranks over several hosts, start one
+per extra GPU with torch.distributed's environment variables, e.g. on a second host::
 
     RANK=1 LOCAL_RANK=0 WORLD_SIZE=2 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 \\
         python -m nanovllm.engine.worker
 
-while rank 0 runs ``LLM(model, tensor_parallel_size=2)`` with ``RANK=0 WORLD_SIZE=2``
-``MASTER_ADDR`` and ``MASTER_PORT`` set the same way. The worker receives the engine's
-configuration from rank 0 (the model folder must exist at the same path on every host),
-builds its shard, then runs each step rank 0 sends until rank 0 says stop.
+with rank 0's ``LLM(model, tensor_parallel_size=2)`` run under ``RANK=0 WORLD_SIZE=2`` and the
+same address. The model folder must exist at the same path on every host.
 """
 
 from __future__ import annotations
@@ -38,10 +36,8 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for rank 0 to handle
     if os.environ.get("NANOVLLM_WORKER_STDIN_WATCH"):
         threading.Thread(target=_exit_when_stdin_closes, daemon=True).start()
-    store = distributed.open_store(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, world_size,
-        STARTUP_TIMEOUT,
-    )
+    store = distributed.open_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                   rank, world_size, STARTUP_TIMEOUT)
     store.set(f"nanovllm/ready/{rank}", "1")
     # Rank 0 says where the model runs: every rank must use the same backend (NCCL or gloo).
     on_cuda = store.get("nanovllm/device_type").decode() == "cuda"
