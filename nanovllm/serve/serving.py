@@ -6,11 +6,12 @@ the cheap checks come first, so a client that will be refused costs the server l
 
 1. enter: authenticate (401), refuse while draining (503 with ``Retry-After``), take the
    request from its key's bucket (429) -- before reading the body, so rejected work counts;
-2. read the body (415 unless JSON, 413 over ``max_body_bytes``), parse it strictly (400),
-   check the model name (404) and the fields' caps (400, ``caps.py``);
+2. read the body: at most ``max_body_bytes`` (413), JSON (415); parse it strictly, check
+   its caps (400, ``caps.py``) and model name (404);
 3. admission: a place among the server's sequences (429 with ``Retry-After``);
-4. tokenize the prompt(s) on worker threads (``prompts.py``; 400: prompt too long) and
-   take their tokens from the key's bucket (429); build ``SamplingParams`` (400);
+4. tokenize the prompts on worker threads, build ``SamplingParams`` (400: too long for the
+   context, bad values); charge their tokens to the key (429) -- off the event loop
+   (``prompts.py``), so nothing else waits for the tokenizer;
 5. submit one engine request per prompt (``n`` samples each) to the ``AsyncEngine``
    (503 if it is shutting down or has failed);
 6. answer: all at once, or as server-sent events (``streaming.py``).
