@@ -122,10 +122,13 @@ api_keys:
   - {key: sk-alice, name: alice, class: interactive}
   - {key_env: BOB_KEY, name: bob, class: batch}
 grace_period: 10
+max_body_bytes: 1048576
+header_timeout: 5
 """)
     config = load_config(path, port=9001, engine={"max_num_seqs": 8})
     assert config.model.endswith("models/smol") and "~" not in config.model
     assert config.port == 9001 and config.host == "0.0.0.0"
+    assert (config.max_body_bytes, config.header_timeout) == (2**20, 5)
     assert config.engine_options() == {
         "enable_prefix_caching": False, "dtype": "bfloat16", "max_num_seqs": 8,
         "max_model_len": 2048, "scheduler_policy": "priority"}

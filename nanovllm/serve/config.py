@@ -80,7 +80,8 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig options
-    max_queue_depth: int = 1024  # sequences waiting beyond max_num_seqs
+    max_queue_depth: int | None = 1024  # sequences waiting beyond max_num_seqs (None, in
+    # code only: no limit)
     max_body_bytes: int = 16 * 2**20
     header_timeout: float = 10.0  # seconds; then the connection is closed
     limits: Limits = field(default_factory=Limits)
