@@ -33,29 +33,26 @@ def srv(tmp_path_factory, smollm2_dir):
         yield server
 
 
-class SlowTokenizer:
-    """The real tokenizer, but each ``encode`` takes ``delay`` seconds (a huge prompt's
+class SlowEncode:
+    """The tokenizer's ``encode``, but each call takes ``delay`` seconds (a huge prompt's
     time without a huge prompt); ``calls`` counts them, ``busy`` is set while one runs."""
 
-    def __init__(self, real, delay: float = 0.0) -> None:
-        self.real, self.delay, self.calls, self.busy = real, delay, 0, threading.Event()
+    def __init__(self, encode, delay: float = 0.0) -> None:
+        self.encode, self.delay, self.calls, self.busy = encode, delay, 0, threading.Event()
 
-    def encode(self, text, **kwargs):
+    def __call__(self, text, **kwargs):
         self.calls += 1
         self.busy.set()
         time.sleep(self.delay)
-        return self.real.encode(text, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.real, name)
+        return self.encode(text, **kwargs)
 
 
 @pytest.fixture
 def slow_tokenizer(srv, monkeypatch):
-    prompts = srv.app.state.serving.prompts
-    tokenizer = SlowTokenizer(prompts.tokenizer)
-    monkeypatch.setattr(prompts, "tokenizer", tokenizer)
-    return tokenizer
+    tokenizer = srv.engine.engine.tokenizer  # the one the server encodes prompts with
+    spy = SlowEncode(tokenizer.encode)
+    monkeypatch.setattr(tokenizer, "encode", spy)
+    return spy
 
 
 def complete(srv, headers=OPEN, **body) -> httpx.Response:
