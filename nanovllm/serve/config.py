@@ -13,7 +13,7 @@
     policy: priority                 # fcfs | priority | fair | mixed (the scheduler's)
     engine: {enable_prefix_caching: true}
     # admission
-    max_queue_depth: 128             # sequences waiting beyond max_num_seqs; then 429 (default 1024)
+    max_queue_depth: 128             # sequences waiting beyond max_num_seqs, then 429 (1024)
     max_body_bytes: 16777216         # a larger request body is a 413, refused unread (16 MiB)
     header_timeout: 10               # seconds a connection gets to send a request's headers
     limits: {requests_per_second: 5, burst: 10, tokens_per_minute: 50000}  # every key's

@@ -6,8 +6,9 @@ bad fields 400, a missing or wrong API key 401 (with ``WWW-Authenticate: Bearer`
 unknown model 404, a body too large 413, a body that is not JSON 415, overload 429 with a
 ``Retry-After`` header, an engine failure 500, a server that is shutting down (503 with
 ``Retry-After``) or whose engine has died 503. Every 4xx but 429 is an
-``invalid_request_error``, as OpenAI types them. The official clients turn these into ``BadRequestError``,
-``AuthenticationError``, ``NotFoundError``, ``RateLimitError``, ``InternalServerError``.
+``invalid_request_error``, as OpenAI types them. The official clients turn these into
+``BadRequestError``, ``AuthenticationError``, ``NotFoundError``, ``RateLimitError``,
+``InternalServerError``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import re
 
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
-
 
 
 def error_type(status: int) -> str:

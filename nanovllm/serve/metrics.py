@@ -4,7 +4,8 @@ Gauges are read from the engine when Prometheus scrapes (running and waiting seq
 KV-cache usage, prefix-cache hit rate); histograms and counters are updated when a request
 ends (time to first token, time per output token, end-to-end latency, queue time; prompt
 and generated tokens; finished requests by reason, "abort" when the client left) or is
-turned away (rejections by reason: every error answer, 400s included, by its code). Each server has its own registry, so several can live in one process (tests).
+turned away (rejections by reason: every error answer, 400s included, by its code). Each
+server has its own registry, so several can live in one process (tests).
 """
 
 from __future__ import annotations
