@@ -345,10 +345,12 @@ for i in range(12):
 
 # %% [markdown]
 # The first three pass in a row (the burst), then one every 0.5 s: the rate. The server runs
-# this check in `Admission.admit`, together with two other gates: an API key (401 without a
-# valid one when keys are configured) and the queue depth (429 when the server already holds
-# `max_num_seqs + max_queue_depth` sequences). A live server with a limit of one request per
-# two seconds and a burst of 3, hit by six quick requests:
+# this check in `Admission.enter`, the moment a request arrives and before its body is read (so
+# a refused request costs nothing, and a request that fails later still counts), after one
+# gate and before another: an API key (401 without a valid one when keys are configured), and
+# the queue depth (`Admission.admit`: 429 when the server already holds `max_num_seqs +
+# max_queue_depth` sequences). A live server with a limit of one request per two seconds and a
+# burst of 3, hit by six quick requests:
 
 # %%
 # NBVAL_CHECK_OUTPUT

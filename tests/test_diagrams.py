@@ -149,8 +149,9 @@ def test_engine_step_and_request_path_names_come_from_the_package() -> None:
     names = diagrams.engine_step_names()
     assert names["schedule"] == "Scheduler.schedule" and names["pack"] == "pack_step"
     steps = diagrams.request_path_steps()
-    assert [codes for _, codes in steps][:5] == [[401], [400, 404], [400], [429], [503]]
-    assert steps[0][0] == "authenticate"
+    assert [codes for _, codes in steps][:5] == [[401, 503, 429], [413, 415, 400, 404], [429],
+                                                 [400, 429], [503]]
+    assert steps[0][0].startswith("enter: authenticate")
 
 
 def test_async_diagram_reads_the_record() -> None:

@@ -209,7 +209,17 @@ BAD = [  # (endpoint, body, status, param or code)
     ("completions", {"model": MODEL}, 400, "prompt"),
     ("completions", {"model": MODEL, "prompt": "word " * 9000}, 400, "context_length_exceeded"),
     ("completions", {"model": "gpt-4", "prompt": "hi"}, 404, "model_not_found"),
-    ("completions", [1, 2], 400, None),
+    ("completions", [1, 2], 400, "invalid_body"),
+    ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": 10**12}, 400,
+     "context_length_exceeded"),
+    ("completions", {"model": MODEL, "prompt": ["hi"] * 20_000}, 400, "too_many_sequences"),
+    ("completions", {"model": MODEL, "prompt": "hi", "n": 129}, 400, "n"),
+    ("completions", {"model": MODEL, "prompt": "hi", "stop": ["x"] * 17}, 400, "stop"),
+    ("completions", {"model": MODEL, "prompt": "hi", "stop": ["x" * 1001]}, 400, "stop"),
+    ("completions", {"model": MODEL, "prompt": "hi", "bad_words": ["x"] * 129}, 400,
+     "bad_words"),
+    ("completions", {"model": MODEL, "prompt": "hi",
+                     "logit_bias": {str(t): 1 for t in range(301)}}, 400, "logit_bias"),
     ("chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
     ("chat/completions", {"model": MODEL}, 400, "messages"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]},
@@ -231,10 +241,24 @@ def test_malformed_requests_get_openai_errors(smol, endpoint, body, status, what
 
 
 def test_malformed_json_and_unknown_routes(smol, client):
-    r = httpx.post(f"{smol.url}/v1/completions", content=b'{"prompt": "hi",', timeout=30)
+    json_type = {"Content-Type": "application/json"}
+    r = httpx.post(f"{smol.url}/v1/completions", content=b'{"prompt": "hi",', timeout=30,
+                   headers=json_type)
     assert r.status_code == 400 and r.json()["error"]["code"] == "json_invalid"
+    r = httpx.post(f"{smol.url}/v1/completions", content=b"[1, 2]", headers=json_type)
+    assert r.status_code == 400 and "must be a JSON object" in r.json()["error"]["message"]
     r = httpx.get(f"{smol.url}/v1/nothing-here", timeout=30)
     assert r.status_code == 404 and "error" in r.json()
+    r = httpx.get(f"{smol.url}/v1/completions", timeout=30)
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+    # a body that is not JSON -- what a page on another origin could POST without asking
+    # (a "simple" cross-origin request) -- is refused unread
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", None):
+        headers = {"Content-Type": content_type} if content_type else {}
+        r = httpx.post(f"{smol.url}/v1/completions", content=b'{"prompt": "hi"}',
+                       headers=headers, timeout=30)
+        assert r.status_code == 415, (content_type, r.text)
+        assert r.json()["error"]["code"] == "unsupported_media_type"
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="hi", temperature=-1)
     with pytest.raises(openai.NotFoundError):
@@ -268,6 +292,8 @@ def test_models_health_tokenize_detokenize_metrics(smol, client):
     client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
     (card,) = client.models.list().data
     assert card.id == MODEL and card.max_model_len == smol.engine.engine.config.max_model_len
+    assert card.root == MODEL  # the name served, never the model's folder
+    assert httpx.get(f"{smol.url}/docs").status_code == 200  # no keys: the docs are open
     assert httpx.get(f"{smol.url}/health").json() == {"status": "ok"}
     tokens = httpx.post(f"{smol.url}/tokenize", json={"prompt": PROMPTS[0]}).json()
     ref = smol.ref["greedy"][0]

@@ -41,9 +41,9 @@ def admission(clock=None, **options) -> Admission:
 def test_queue_depth_counts_sequences():
     adm = admission(max_queue_depth=1)  # 2 running + 1 waiting
     tenant = adm.authenticate(None)
-    tickets = [adm.admit(tenant, 1, 5), adm.admit(tenant, 2, 5)]
+    tickets = [adm.admit(tenant, 1), adm.admit(tenant, 2)]
     with pytest.raises(APIError) as info:
-        adm.admit(tenant, 1, 5)
+        adm.admit(tenant, 1)
     assert info.value.status == 429 and info.value.code == "queue_full"
     assert info.value.response().headers["retry-after"] == "1"
     for t in tickets:
@@ -51,9 +51,10 @@ def test_queue_depth_counts_sequences():
         adm.release(t)  # twice is once
     assert adm.in_flight == 0
     with pytest.raises(APIError) as info:
-        adm.admit(tenant, 4, 5)  # n=4 could never enter
+        adm.admit(tenant, 4)  # n=4 could never enter
     assert info.value.status == 400 and info.value.param == "n"
-    adm.release(adm.admit(tenant, 3, 5))
+    adm.release(adm.admit(tenant, 3))
+    assert ServeConfig(model="m").max_queue_depth == 1024  # a queue is never unbounded
 
 
 @pytest.mark.assignment("10.token_bucket")
@@ -74,17 +75,28 @@ def test_keys_classes_and_per_key_buckets():
     assert alice.limits.requests_per_second is None  # a class sets every limit it names...
     assert bob.limits.requests_per_second == 1  # ...the default class takes `limits`
     for _ in range(2):
-        adm.release(adm.admit(bob, 1, 10))
+        adm.enter(bob)
+        ticket = adm.admit(bob, 1)
+        adm.charge(ticket, 10)
+        adm.release(ticket)
     with pytest.raises(APIError) as info:
-        adm.admit(bob, 1, 10)  # burst of 2 spent
+        adm.enter(bob)  # burst of 2 spent
     assert info.value.retry_after == pytest.approx(1.0)
     clock.now = 1.0
-    ticket = adm.admit(bob, 1, 10)
+    adm.enter(bob)
+    ticket = adm.admit(bob, 1)
+    adm.charge(ticket, 10)
     adm.release(ticket, generated_tokens=600)  # 620 of 600 tokens: 20 in debt
     clock.now = 3.0
     with pytest.raises(APIError) as info:
-        adm.admit(bob, 1, 10)  # the token bucket holds 0 after 2 s of refill
+        adm.enter(bob)  # the token bucket holds 0 after 2 s of refill: turned away at entry
     assert "tokens per minute" in info.value.message
+    assert info.value.retry_after == pytest.approx(0.1)
+    clock.now = 6.0  # 30 tokens: one request enters, but its prompt of 40 waits for 10 more
+    adm.enter(bob)
+    ticket = adm.admit(bob, 1)
+    with pytest.raises(APIError) as info:
+        adm.charge(ticket, 40)
     assert info.value.retry_after == pytest.approx(1.0)
 
 
@@ -110,10 +122,13 @@ api_keys:
   - {key: sk-alice, name: alice, class: interactive}
   - {key_env: BOB_KEY, name: bob, class: batch}
 grace_period: 10
+max_body_bytes: 1048576
+header_timeout: 5
 """)
     config = load_config(path, port=9001, engine={"max_num_seqs": 8})
     assert config.model.endswith("models/smol") and "~" not in config.model
     assert config.port == 9001 and config.host == "0.0.0.0"
+    assert (config.max_body_bytes, config.header_timeout) == (2**20, 5)
     assert config.engine_options() == {
         "enable_prefix_caching": False, "dtype": "bfloat16", "max_num_seqs": 8,
         "max_model_len": 2048, "scheduler_policy": "priority"}
@@ -139,6 +154,8 @@ BAD_CONFIGS = [
     ({"model": "m", "api_keys": ["a", "a"]}, "api_keys[1].key repeats"),
     ({"model": "m", "api_keys": [{"key_env": "NANOVLLM_NO_SUCH_VAR"}]}, "is not set"),
     ({"model": "m", "grace_period": -1}, "grace_period must be seconds >= 0"),
+    ({"model": "m", "max_body_bytes": 10}, "max_body_bytes must be an int >= 1024"),
+    ({"model": "m", "header_timeout": 0}, "header_timeout must be seconds > 0"),
     ({"model": "m", "log_level": "loud"}, "log_level must be one of"),
 ]
 

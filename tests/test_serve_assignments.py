@@ -62,16 +62,16 @@ def test_admission_turns_a_burst_away_until_the_bucket_refills():
     adm = Admission(config, max_num_seqs=8, clock=clock)
     tenant = adm.authenticate(None)
     for _ in range(3):  # the burst
-        adm.release(adm.admit(tenant, 1, 5))
+        adm.enter(tenant)
     with pytest.raises(APIError) as info:
-        adm.admit(tenant, 1, 5)
+        adm.enter(tenant)
     assert info.value.status == 429 and info.value.retry_after == pytest.approx(0.5)
     clock.now = 0.5
-    adm.release(adm.admit(tenant, 1, 5))
+    adm.enter(tenant)
     with pytest.raises(APIError):
-        adm.admit(tenant, 1, 5)
+        adm.enter(tenant)
     clock.now = 10.0  # long idle: the burst again, not 20 requests
     for _ in range(3):
-        adm.release(adm.admit(tenant, 1, 5))
+        adm.enter(tenant)
     with pytest.raises(APIError):
-        adm.admit(tenant, 1, 5)
+        adm.enter(tenant)

@@ -222,11 +222,13 @@ def test_draining_answers_503_and_a_dead_engine_500_then_503(tiny, monkeypatch):
         assert stream.status_code == 503 and httpx.get(f"{srv.url}/health").status_code == 503
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "priority", "fair"])
-def test_the_schedulers_policy_follows_the_keys(tiny, policy):
+@pytest.mark.parametrize("policy, alice_priority", [
+    ("fcfs", 0), ("priority", 0), ("priority", -1000), ("fair", 0)])
+def test_the_schedulers_policy_follows_the_keys(tiny, policy, alice_priority):
     """One slot; alice (class batch, priority 10) queues four requests, then bob (class
     interactive, priority 0) sends one. First come, first served: bob is last. Priority
-    (his class) and fair (his own tenant) serve him next."""
+    (his class) and fair (his own tenant) serve him next -- even when alice asks for
+    priority -1000: a request may step back from its class, never ahead of it."""
     keys = [ApiKey("sk-alice", "alice", "batch"), ApiKey("sk-bob", "bob", "interactive")]
     classes = {"batch": Limits(priority=10), "interactive": Limits(priority=0)}
     options = {"num_kv_blocks": 64, "max_num_seqs": 1, "scheduler_policy": policy}
@@ -236,7 +238,8 @@ def test_the_schedulers_policy_follows_the_keys(tiny, policy):
         def send(name: str) -> None:  # alice's long enough for bob to arrive in time
             client_for(srv, f"sk-{name}").completions.create(
                 model="tiny", prompt="tea", max_tokens=150 if name == "alice" else 30,
-                extra_body={"ignore_eos": True})
+                extra_body={"ignore_eos": True,
+                            "priority": alice_priority if name == "alice" else 0})
             order.append(name)
 
         alices = [threading.Thread(target=send, args=("alice",)) for _ in range(4)]

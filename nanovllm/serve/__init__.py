@@ -10,6 +10,10 @@ One concept per module:
 - ``server.py``     uvicorn, graceful shutdown on SIGTERM, a server on a background thread
 - ``app.py``        the routes (``build_app``)
 - ``serving.py``    a request's path: key, body, prompt, admission, engine, answer
+- ``body.py``       a request's body: JSON only, size capped before reading
+- ``caps.py``       caps on a request's fields, checked before tokenizing
+- ``prompts.py``    prompts to token ids on worker threads, off the event loop
+- ``connections.py`` a deadline for a connection's request headers
 - ``protocol.py``   OpenAI's request and response bodies (pydantic)
 - ``formats.py``    engine outputs -> OpenAI's objects
 - ``streaming.py``  server-sent events

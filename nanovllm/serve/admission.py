@@ -1,20 +1,26 @@
 """Admission control: who may send a request, and whether it may enter now (chapter 10).
 
-Three gates, checked in this order before a request reaches the engine:
+Three gates, each taken as early as its inputs are known, so work turned away still counts:
 
 1. **API keys** (``Authorization: Bearer <key>``): with keys configured, a missing or
    unknown key is a 401. A key names a tenant (its ``name``: the fair policy's user) and a
    key class (its priority and limits).
 2. **Per-key token buckets**: requests per second (a bucket of ``burst`` requests,
    refilled at ``requests_per_second``) and tokens per minute (a bucket of
-   ``tokens_per_minute`` tokens refilled evenly over the minute). A request enters when
-   the request bucket holds one request and the token bucket holds its prompt; its
-   generated tokens are charged when it ends (the bucket may go into debt, which delays
-   the key's next requests). Otherwise: 429 with ``Retry-After``, the seconds until the
-   bucket will hold enough.
-3. **Queue depth**: at most ``max_num_seqs + max_queue_depth`` sequences (a request with
-   ``n`` samples counts n) in the server at once; beyond that 429 (and a request larger
-   than that on its own is a 400: it could never enter).
+   ``tokens_per_minute`` tokens refilled evenly over the minute). ``enter`` takes the
+   request from its bucket before the body is even read (so a key sending six huge,
+   malformed prompts at once gets 429s, not six 400s), and turns the key away while its
+   token bucket is in debt; ``charge`` takes the prompt's tokens once it is tokenized, and
+   ``release`` the generated ones when it ends (the bucket may go into debt, which delays
+   the key's next requests). A bucket that cannot pay: 429 with ``Retry-After``, the
+   seconds until it will hold enough.
+3. **Queue depth** (``admit``, before tokenizing): at most ``max_num_seqs +
+   max_queue_depth`` sequences (a request with ``n`` samples of each of its prompts counts
+   that many) in the server at once, tokenizing or in the engine; beyond that 429 with
+   ``Retry-After`` (a request larger than that on its own is a 400: it could never enter).
+   429, not 503: the server is healthy and the client should come back, which the
+   official clients do after ``Retry-After``; 503 means this server will not serve
+   (draining, or its engine has died).
 
 The event loop runs every check and update, one request at a time, so no locks are needed.
 """
@@ -95,7 +101,7 @@ class Admission:
         self.keys = {k.key: k for k in config.api_keys}
         self.tenants: dict[str | None, Tenant] = {}
         depth = config.max_queue_depth
-        self.capacity = None if depth is None else max_num_seqs + depth
+        self.capacity = None if depth is None else max_num_seqs + depth  # (None: unlimited)
         self.in_flight = 0  # sequences admitted and not yet released
 
     @property
@@ -125,9 +131,21 @@ class Admission:
             tenant = self.tenants[name] = Tenant(name, key_class, limits, requests, tokens)
         return tenant
 
-    def admit(self, tenant: Tenant, size: int, prompt_tokens: int) -> Ticket:
-        """Take a request of ``size`` sequences and ``prompt_tokens`` prompt tokens, or raise
-        a 429 (with ``retry_after``; a 400 if it can never fit) and change nothing."""
+    def enter(self, tenant: Tenant) -> None:
+        """A request arrives (nothing read yet): take it from the key's request bucket, or
+        raise a 429 and change nothing. A key in token debt is turned away here too."""
+        waits = []
+        if tenant.requests is not None:
+            waits.append(("requests per second", tenant.requests.wait_time(1)))
+        if tenant.tokens is not None:
+            waits.append(("tokens per minute", tenant.tokens.wait_time(1)))
+        self._refuse_if_waiting(tenant, waits)
+        if tenant.requests is not None:
+            tenant.requests.take(1)
+
+    def admit(self, tenant: Tenant, size: int) -> Ticket:
+        """Give a request of ``size`` sequences its place, or raise a 429 (a 400 if it can
+        never fit) and change nothing."""
         if self.capacity is not None and size > self.capacity:
             raise APIError(400, f"This request needs {size} sequences (n times its prompts); "
                            f"the server holds at most {self.capacity}.", "too_many_sequences",
@@ -137,11 +155,20 @@ class Admission:
                 429, f"The server is at capacity ({self.in_flight} sequences in flight, "
                 f"at most {self.capacity}); retry later.", "queue_full", retry_after=1,
             )
-        waits = []
-        if tenant.requests is not None:
-            waits.append(("requests per second", tenant.requests.wait_time(1)))
-        if tenant.tokens is not None:
-            waits.append(("tokens per minute", tenant.tokens.wait_time(prompt_tokens)))
+        self.in_flight += size
+        return Ticket(tenant, size)
+
+    def charge(self, ticket: Ticket, prompt_tokens: int) -> None:
+        """Take an admitted request's prompt tokens from its key's bucket, or raise a 429
+        (the caller releases the ticket)."""
+        tokens = ticket.tenant.tokens
+        if tokens is not None:
+            wait = tokens.wait_time(prompt_tokens)
+            self._refuse_if_waiting(ticket.tenant, [("tokens per minute", wait)])
+            tokens.take(prompt_tokens)
+
+    @staticmethod
+    def _refuse_if_waiting(tenant: Tenant, waits: list[tuple[str, float]]) -> None:
         limit, wait = max(waits, key=lambda w: w[1], default=(None, 0.0))
         if wait > 0:
             who = f"key {tenant.name!r}" if tenant.name else "this server"
@@ -149,12 +176,6 @@ class Admission:
                 429, f"Rate limit reached for {who} on {limit}; retry in {wait:.2f} s.",
                 "rate_limit_exceeded", retry_after=wait,
             )
-        if tenant.requests is not None:
-            tenant.requests.take(1)
-        if tenant.tokens is not None:
-            tenant.tokens.take(prompt_tokens)
-        self.in_flight += size
-        return Ticket(tenant, size)
 
     def release(self, ticket: Ticket, generated_tokens: int = 0) -> None:
         """The request has ended: free its place and charge what it generated (once)."""

@@ -9,7 +9,10 @@
 
 ``build_app(engine, config)`` returns the FastAPI application; ``server.py`` runs it with
 uvicorn. Handlers run on the event loop and never block it: the engine steps on its own
-thread and hands tokens over through asyncio queues (``AsyncEngine.stream``).
+thread and hands tokens over through asyncio queues (``AsyncEngine.stream``), and the
+tokenizer runs on worker threads (``prompts.py``). With API keys configured, the
+interactive docs (``/docs``, ``/openapi.json``) are off: they would describe the server to
+anyone. Every error answer is counted in ``/metrics`` by its code.
 """
 
 from __future__ import annotations
@@ -44,10 +47,11 @@ def build_app(engine: AsyncEngine, config: ServeConfig) -> FastAPI:
     core = engine.engine
     metrics = ServerMetrics(core, config.served_model_name)
     admission = Admission(config, core.config.max_num_seqs)
-    serving = OpenAIServing(engine, config.served_model_name, admission, metrics)
-    app = FastAPI(title="nanovllm", summary="An OpenAI-compatible server for nanovllm.")
+    serving = OpenAIServing(engine, config, admission, metrics)
+    docs = {"docs_url": None, "redoc_url": None, "openapi_url": None} if config.api_keys else {}
+    app = FastAPI(title="nanovllm", summary="An OpenAI-compatible server for nanovllm.", **docs)
     app.state.serving, app.state.metrics, app.state.config = serving, metrics, config
-    _error_handlers(app)
+    _error_handlers(app, metrics)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -60,8 +64,8 @@ def build_app(engine: AsyncEngine, config: ServeConfig) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
         serving.authenticate(request)
-        card = ModelCard(id=config.served_model_name, root=config.model,
-                         max_model_len=serving.max_model_len)
+        card = ModelCard(id=config.served_model_name, root=config.served_model_name,
+                         max_model_len=serving.max_model_len)  # (never the model's path)
         return dump(ModelList(data=[card]))
 
     @app.post("/tokenize")
@@ -71,9 +75,9 @@ def build_app(engine: AsyncEngine, config: ServeConfig) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("Send either 'prompt' or 'messages'.", "prompt")
         if body.prompt is not None:
-            tokens = serving.encode(body.prompt, body.add_special_tokens)
+            tokens = await serving.prompts.encode(body.prompt, special=body.add_special_tokens)
         else:
-            tokens = serving.encode_chat(conversation(body.messages))
+            tokens = await serving.prompts.encode_chat(conversation(body.messages))
         return {"count": len(tokens), "max_model_len": serving.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize")
@@ -85,7 +89,8 @@ def build_app(engine: AsyncEngine, config: ServeConfig) -> FastAPI:
             raise bad_request("This model has no tokenizer.")
         if not all(0 <= t < vocab for t in body.tokens):
             raise bad_request(f"Token ids must be in [0, {vocab}).", "tokens")
-        return {"prompt": serving.tokenizer.decode(body.tokens)}
+        return {"prompt": await serving.prompts.off_loop(
+            lambda: serving.tokenizer.decode(body.tokens))}
 
     @app.get("/health")
     async def health() -> Response:
@@ -101,24 +106,29 @@ def build_app(engine: AsyncEngine, config: ServeConfig) -> FastAPI:
     return app
 
 
-def _error_handlers(app: FastAPI) -> None:
-    """Every error leaves in OpenAI's shape, including FastAPI's own (404, 405, 422)."""
+def _error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+    """Every error leaves in OpenAI's shape, including FastAPI's own (404, 405, 422), and
+    is counted."""
+
+    def answer(err: APIError) -> Response:
+        metrics.reject(err.reason)
+        return err.response()
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, err: APIError) -> Response:
-        return err.response()
+        return answer(err)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, err: HTTPException) -> Response:
-        code = "not_found" if err.status_code == 404 else None
-        return APIError(err.status_code, str(err.detail), code).response()
+        code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code)
+        return answer(APIError(err.status_code, str(err.detail), code))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, err: RequestValidationError) -> Response:
-        return bad_request(str(err.errors()[:1])).response()
+        return answer(bad_request(str(err.errors()[:1])))
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, err: Exception) -> Response:
         logger.exception("unhandled error in %s", request.url.path)
-        return APIError(500, f"Internal error: {type(err).__name__}: {err}",
-                        "internal_error").response()
+        return answer(APIError(500, f"Internal error: {type(err).__name__}: {err}",
+                               "internal_error"))

@@ -39,11 +39,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                         help="any other EngineConfig field (repeatable)")
     parser.add_argument("--max-queue-depth", type=int,
-                        help="sequences that may wait beyond --max-num-seqs; then 429")
+                        help="sequences that may wait beyond --max-num-seqs; then 429 with "
+                        "Retry-After (default 1024)")
+    parser.add_argument("--max-body-bytes", type=int,
+                        help="a larger request body is refused unread with 413 (default 16 MiB)")
+    parser.add_argument("--header-timeout", type=float,
+                        help="seconds a connection gets to send a request's headers; then it "
+                        "is closed (default 10)")
     parser.add_argument("--requests-per-second", type=float, help="per key (default: no limit)")
     parser.add_argument("--tokens-per-minute", type=int, help="per key (default: no limit)")
     parser.add_argument("--grace-period", type=float,
-                        help="seconds requests in flight get after SIGTERM (default 30)")
+                        help="seconds requests in flight get after SIGTERM, while new ones "
+                        "get 503; then exit 0 (default 30)")
     parser.add_argument("--log-level", help="uvicorn's log level (default info)")
 
 
@@ -59,7 +66,8 @@ def config_from_args(args: argparse.Namespace):
     limits = {"requests_per_second": args.requests_per_second,
               "tokens_per_minute": args.tokens_per_minute}
     fields = ("model", "host", "port", "served_model_name", "api_keys", "max_queue_depth",
-              "grace_period", "log_level", *(dest for _, dest, _, _ in ENGINE_FLAGS))
+              "max_body_bytes", "header_timeout", "grace_period", "log_level",
+              *(dest for _, dest, _, _ in ENGINE_FLAGS))
     overrides = {name: getattr(args, name) for name in fields}
     overrides["engine"] = engine or None
     overrides["limits"] = {k: v for k, v in limits.items() if v is not None} or None

@@ -13,7 +13,9 @@
     policy: priority                 # fcfs | priority | fair | mixed (the scheduler's)
     engine: {enable_prefix_caching: true}
     # admission
-    max_queue_depth: 128             # sequences waiting beyond max_num_seqs; then 429
+    max_queue_depth: 128             # sequences waiting beyond max_num_seqs, then 429 (1024)
+    max_body_bytes: 16777216         # a larger request body is a 413, refused unread (16 MiB)
+    header_timeout: 10               # seconds a connection gets to send a request's headers
     limits: {requests_per_second: 5, burst: 10, tokens_per_minute: 50000}  # every key's
     key_classes:                     # priority (lower first) and limits per class of key
       interactive: {priority: 0}
@@ -78,7 +80,10 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig options
-    max_queue_depth: int | None = None  # None: no limit
+    max_queue_depth: int | None = 1024  # sequences waiting beyond max_num_seqs (None, in
+    # code only: no limit)
+    max_body_bytes: int = 16 * 2**20
+    header_timeout: float = 10.0  # seconds; then the connection is closed
     limits: Limits = field(default_factory=Limits)
     key_classes: dict[str, Limits] = field(default_factory=dict)
     api_keys: list[ApiKey] = field(default_factory=list)
@@ -119,6 +124,9 @@ class ServeConfig:
         check("host", lambda h: h is None or isinstance(h, str), "a host name or address")
         check("served_model_name", lambda s: s is None or isinstance(s, str), "a string")
         check("max_queue_depth", lambda d: d is None or (is_int(d) and d >= 0), "an int >= 0")
+        check("max_body_bytes", lambda b: b is None or (is_int(b) and b >= 1024),
+              "an int >= 1024 (bytes)")
+        check("header_timeout", lambda t: t is None or (is_number(t) and t > 0), "seconds > 0")
         check("grace_period", lambda g: g is None or (is_number(g) and g >= 0), "seconds >= 0")
         check("log_level", lambda v: v is None or v in LOG_LEVELS, f"one of {LOG_LEVELS}")
         limits = _limits(where, "limits", data.pop("limits", None) or {}, Limits())

@@ -2,10 +2,13 @@
 (chapter 10).
 
 Every failure a client can see is an ``APIError`` with its HTTP status: malformed JSON or
-bad fields 400, a missing or wrong API key 401, an unknown model 404, overload 429 with a
-``Retry-After`` header, an engine failure 500, a server that is shutting down or whose
-engine has died 503. The official clients turn these into ``BadRequestError``,
-``AuthenticationError``, ``NotFoundError``, ``RateLimitError``, ``InternalServerError``.
+bad fields 400, a missing or wrong API key 401 (with ``WWW-Authenticate: Bearer``), an
+unknown model 404, a body too large 413, a body that is not JSON 415, overload 429 with a
+``Retry-After`` header, an engine failure 500, a server that is shutting down (503 with
+``Retry-After``) or whose engine has died 503. Every 4xx but 429 is an
+``invalid_request_error``, as OpenAI types them. The official clients turn these into
+``BadRequestError``, ``AuthenticationError``, ``NotFoundError``, ``RateLimitError``,
+``InternalServerError``.
 """
 
 from __future__ import annotations
@@ -16,14 +19,12 @@ import re
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-TYPES = {
-    400: "invalid_request_error",
-    401: "invalid_request_error",
-    404: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "server_error",
-    503: "server_error",
-}
+
+def error_type(status: int) -> str:
+    """OpenAI's ``type`` for an HTTP status."""
+    if status == 429:
+        return "rate_limit_error"
+    return "invalid_request_error" if 400 <= status < 500 else "server_error"
 
 
 class APIError(Exception):
@@ -37,17 +38,24 @@ class APIError(Exception):
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
-        self.retry_after = retry_after  # seconds, with 429
+        self.retry_after = retry_after  # seconds, with 429 and a draining 503
+
+    @property
+    def reason(self) -> str:
+        """The metrics' label for this rejection: its code, else its type."""
+        return self.code or error_type(self.status)
 
     def body(self) -> dict:
-        error = {"message": self.message, "type": TYPES.get(self.status, "server_error"),
+        error = {"message": self.message, "type": error_type(self.status),
                  "param": self.param, "code": self.code}
         return {"error": error}
 
     def response(self) -> JSONResponse:
-        headers = None
+        headers = {}
         if self.retry_after is not None:  # whole seconds, at least 1 (RFC 9110)
-            headers = {"Retry-After": str(max(1, math.ceil(self.retry_after)))}
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after)))
+        if self.status == 401:  # the scheme a client should use (RFC 9110)
+            headers["WWW-Authenticate"] = "Bearer"
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
@@ -62,6 +70,9 @@ def from_validation_error(err: ValidationError) -> APIError:
     if first["type"] == "json_invalid":
         message = f"The request body is not valid JSON: {first['msg']}"
         return bad_request(message, code="json_invalid")
+    if not first["loc"]:  # the body itself: a list, a string, a number
+        return bad_request(f"The request body must be a JSON object: {first['msg']}",
+                           code="invalid_body")
     fields = []
     for part in first["loc"]:
         if isinstance(part, str) and _is_type_name(part):

@@ -3,8 +3,9 @@
 Gauges are read from the engine when Prometheus scrapes (running and waiting sequences,
 KV-cache usage, prefix-cache hit rate); histograms and counters are updated when a request
 ends (time to first token, time per output token, end-to-end latency, queue time; prompt
-and generated tokens; finished requests by reason) or is turned away (rejections by
-reason). Each server has its own registry, so several can live in one process (tests).
+and generated tokens; finished requests by reason, "abort" when the client left) or is
+turned away (rejections by reason: every error answer, 400s included, by its code). Each
+server has its own registry, so several can live in one process (tests).
 """
 
 from __future__ import annotations
@@ -79,7 +80,11 @@ class ServerMetrics:
         generated = sum(len(o.token_ids) for o in output.outputs)
         self.generation_tokens.labels(model).inc(generated)
         for completion in output.outputs:
-            self.finished.labels(model, completion.finish_reason or "unknown").inc()
+            self.finished.labels(model, completion.finish_reason or "abort").inc()
+
+    def aborted(self, sequences: int) -> None:
+        """A request whose client left before its sequences finished (none was observed)."""
+        self.finished.labels(self.model_name, "abort").inc(sequences)
 
     def reject(self, reason: str) -> None:
         self.rejected.labels(self.model_name, reason).inc()

@@ -2,10 +2,12 @@
 (chapter 10).
 
 ``serve(config)`` builds the engine and serves until SIGTERM or Ctrl-C. Shutdown drains:
-the first signal stops admitting (new requests get 503, the listening socket closes) and
-lets the requests in flight finish for up to ``grace_period`` seconds; whatever still runs
-then is aborted, so its stream ends with finish_reason "abort" and its client gets a
-complete response. A second Ctrl-C quits at once.
+the first signal stops admitting -- the server keeps listening, new requests get 503 with
+``Retry-After`` and ``/health`` answers 503 "draining", so a load balancer moves traffic
+away -- and lets the requests in flight finish for up to ``grace_period`` seconds; whatever
+still runs then is aborted, so its stream ends with finish_reason "abort" and its client
+gets a complete response. Then uvicorn closes the socket and the process exits with status
+0: a shutdown it was asked for. A second signal quits at once.
 
 ``ServerThread(app)`` runs an app on 127.0.0.1 on a free port in a background thread: for
 tests, notebooks and the load generator (signals stay with the main thread).
@@ -24,13 +26,19 @@ from fastapi import FastAPI
 from nanovllm.engine.async_engine import AsyncEngine
 from nanovllm.serve.app import build_app
 from nanovllm.serve.config import ServeConfig
+from nanovllm.serve.connections import with_header_deadline
 
 logger = logging.getLogger("nanovllm.serve")
-SHUTDOWN_MARGIN = 5.0  # uvicorn's own deadline, after ours: a backstop only
+SHUTDOWN_MARGIN = 5.0  # uvicorn's deadline for the last responses, after the engine's drain
+
+
+def uvicorn_config(app: FastAPI, config: ServeConfig, **options) -> uvicorn.Config:
+    """uvicorn's settings for ``app``: connections that dawdle over their headers closed."""
+    return uvicorn.Config(app, http=with_header_deadline(config.header_timeout), **options)
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server, whose exit signals first start draining the engine."""
+    """uvicorn's server, whose first exit signal drains the engine before uvicorn stops."""
 
     def __init__(self, config: uvicorn.Config, app: FastAPI, engine: AsyncEngine,
                  grace_period: float) -> None:
@@ -39,11 +47,12 @@ class DrainingServer(uvicorn.Server):
         self._draining = False
 
     def handle_exit(self, sig: int, frame) -> None:
-        if not self._draining:  # (runs in a signal handler: only start a thread here)
-            self._draining = True
-            self.app.state.serving.draining = True
-            threading.Thread(target=self._drain, name="nanovllm-drain", daemon=True).start()
-        super().handle_exit(sig, frame)
+        if self._draining:  # a second signal: uvicorn's own exit (and the signal's status)
+            super().handle_exit(sig, frame)
+            return
+        self._draining = True  # (runs in a signal handler: only start a thread here)
+        self.app.state.serving.draining = True
+        threading.Thread(target=self._drain, name="nanovllm-drain", daemon=True).start()
 
     def _drain(self) -> None:
         logger.info("draining: finishing requests in flight (up to %g s)", self.grace_period)
@@ -51,6 +60,7 @@ class DrainingServer(uvicorn.Server):
         if self.engine.is_running:
             logger.warning("grace period over: aborting the requests still running")
             self.engine.shutdown(wait=False)
+        self.should_exit = True  # uvicorn lets the last responses go out, then returns
 
 
 def serve(config: ServeConfig) -> None:
@@ -61,9 +71,9 @@ def serve(config: ServeConfig) -> None:
     engine = AsyncEngine.from_model(config.model, **config.engine_options())
     try:
         app = build_app(engine, config)
-        uv_config = uvicorn.Config(
-            app, host=config.host, port=config.port, log_level=config.log_level,
-            timeout_graceful_shutdown=config.grace_period + SHUTDOWN_MARGIN,
+        uv_config = uvicorn_config(
+            app, config, host=config.host, port=config.port, log_level=config.log_level,
+            timeout_graceful_shutdown=SHUTDOWN_MARGIN,
         )
         DrainingServer(uv_config, app, engine, config.grace_period).run()
     finally:
@@ -82,7 +92,8 @@ class ServerThread:
         self.socket.bind((host, port))
         self.host, self.port = self.socket.getsockname()[:2]
         self.url = f"http://{self.host}:{self.port}"
-        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
+        config = uvicorn_config(app, app.state.config, log_level=log_level,
+                                timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True,

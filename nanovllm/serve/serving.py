@@ -1,70 +1,85 @@
 """``/v1/completions`` and ``/v1/chat/completions``: from an HTTP request to engine requests
 and back (chapter 10).
 
-Every request takes the same path, and each step can turn it away with its own status:
+Every request takes the same path, and each step can turn it away with its own status;
+the cheap checks come first, so a client that will be refused costs the server little:
 
-1. authenticate (401) -- before reading the body, so strangers cost nothing;
-2. parse the body strictly (400), check the model name (404);
-3. tokenize the prompt(s) and build ``SamplingParams`` (400: bad values, prompt too long);
-4. admission: per-key token buckets and the queue depth (429 with ``Retry-After``);
+1. enter: authenticate (401), refuse while draining (503 with ``Retry-After``), take the
+   request from its key's bucket (429) -- before reading the body, so rejected work counts;
+2. read the body: at most ``max_body_bytes`` (413), JSON (415); parse it strictly, check
+   its caps (400, ``caps.py``) and model name (404);
+3. admission: a place among the server's sequences (429 with ``Retry-After``);
+4. tokenize the prompts on worker threads, build ``SamplingParams`` (400: too long for the
+   context, bad values); charge their tokens to the key (429) -- off the event loop
+   (``prompts.py``), so nothing else waits for the tokenizer;
 5. submit one engine request per prompt (``n`` samples each) to the ``AsyncEngine``
    (503 if it is shutting down or has failed);
 6. answer: all at once, or as server-sent events (``streaming.py``).
 
 The key's tenant becomes the fair policy's ``user`` and its class the mixed policy's
 ``request_class``; the key class's priority plus the request's ``priority`` is the priority
-policy's. Without API keys the request's own ``user`` field names the tenant.
+policy's, never better (lower) than the class's own: a request may only step back. Without
+API keys the request's own ``user`` field names the tenant and its ``priority`` stands.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
 
 from nanovllm.engine.async_engine import AsyncEngine, AsyncRequestStream, EngineError
 from nanovllm.outputs import RequestOutput
-from nanovllm.serve.errors import APIError, bad_request, from_validation_error, from_value_error
+from nanovllm.serve.body import Model, parse_body
+from nanovllm.serve.caps import check_fields
+from nanovllm.serve.errors import APIError, bad_request, from_value_error
 from nanovllm.serve.formats import ChatFormat, CompletionFormat
+from nanovllm.serve.prompts import PromptEncoder
 from nanovllm.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from nanovllm.serve.streaming import EventStream, StreamTally, failure, merge, sse_events
 
 if TYPE_CHECKING:
     from nanovllm.serve.admission import Admission, Tenant, Ticket
+    from nanovllm.serve.config import ServeConfig
     from nanovllm.serve.metrics import ServerMetrics
 
 CLIENT_CLOSED = 499  # nginx's status for "the client went away"
-MAX_N = 128  # completions per prompt, as OpenAI allows
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_name: str, admission: Admission,
+    def __init__(self, engine: AsyncEngine, config: ServeConfig, admission: Admission,
                  metrics: ServerMetrics) -> None:
-        self.engine, self.model_name = engine, model_name
+        self.engine, self.model_name = engine, config.served_model_name
         self.admission, self.metrics = admission, metrics
+        self.max_body_bytes, self.grace_period = config.max_body_bytes, config.grace_period
         core = engine.engine
         self.tokenizer = core.tokenizer
         self.max_model_len = core.config.max_model_len
         self.kv_capacity = core.input_processor.kv_capacity  # tokens the KV cache holds
+        self.prompts = PromptEncoder(self.tokenizer, self.max_model_len)
         self.draining = False  # set on SIGTERM: no new requests
 
     # -- the steps every request takes ---------------------------------------------------
     def authenticate(self, request: Request) -> Tenant:
-        try:
-            return self.admission.authenticate(request.headers.get("authorization"))
-        except APIError as err:
-            self.metrics.reject(err.code)
-            raise
+        return self.admission.authenticate(request.headers.get("authorization"))
 
-    async def parse(self, request: Request, model: type[BaseModel]) -> BaseModel:
-        try:
-            body = model.model_validate_json(await request.body())
-        except ValidationError as err:
-            raise from_validation_error(err) from None
+    def enter(self, request: Request) -> Tenant:
+        """A generation request arrives: who sent it, and may it come in at all."""
+        tenant = self.authenticate(request)
+        if self.draining:
+            raise APIError(503, "The server is shutting down; retry on another replica.",
+                           "unavailable", retry_after=self.grace_period)
+        if not self.engine.is_running:
+            raise APIError(503, "The engine has stopped.", "unavailable")
+        self.admission.enter(tenant)
+        return tenant
+
+    async def parse(self, request: Request, model: type[Model]) -> Model:
+        body = await parse_body(request, model, self.max_body_bytes)
         self.check_model(getattr(body, "model", None))
         return body
 
@@ -73,45 +88,23 @@ class OpenAIServing:
             raise APIError(404, f"The model `{name}` does not exist (this server serves "
                            f"`{self.model_name}`).", "model_not_found", "model")
 
-    def encode(self, prompt: str | list[int], special: bool = True) -> list[int]:
-        """A prompt's token ids (token ids pass through: the engine checks their range)."""
-        if isinstance(prompt, list):
-            return prompt
-        if self.tokenizer is None:
-            raise bad_request("This model has no tokenizer: send token ids as the prompt.",
-                              "prompt")
-        if not prompt:
-            raise bad_request("The prompt is empty.", "prompt")
-        return self.tokenizer.encode(prompt, add_special_tokens=special)
-
-    def check_length(self, ids: list[int], param: str) -> None:
-        if len(ids) >= self.max_model_len:
-            raise bad_request(
-                f"This model's maximum context length is {self.max_model_len} tokens; the "
-                f"prompt has {len(ids)} tokens, which leaves no room for a completion.",
-                param, "context_length_exceeded",
-            )
-
     def max_tokens(self, requested: int | None, ids: list[int]) -> int:
-        """The request's limit, or by default as many as the context (and KV cache) holds."""
-        if requested is not None:
-            return requested
-        return max(1, min(self.max_model_len, self.kv_capacity) - len(ids))
-
-    def admit(self, tenant: Tenant, size: int, prompt_tokens: int) -> Ticket:
-        if self.draining or not self.engine.is_running:
-            self.metrics.reject("unavailable")
-            raise APIError(503, "The server is shutting down." if self.draining else
-                           "The engine has stopped.", "unavailable")
-        try:
-            return self.admission.admit(tenant, size, prompt_tokens)
-        except APIError as err:
-            self.metrics.reject(err.code)
-            raise
+        """The request's limit (a 400 if prompt and completion overflow the context, as
+        vLLM answers), or by default as many as the context (and KV cache) holds."""
+        if requested is None:
+            return max(1, min(self.max_model_len, self.kv_capacity) - len(ids))
+        if len(ids) + requested > self.max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens; you "
+                f"requested {len(ids) + requested} ({len(ids)} in the prompt, {requested} "
+                "for the completion).", "max_tokens", "context_length_exceeded")
+        return requested
 
     def submit(self, prompts: list[list[int]], params: list, body: SamplingFields,
                tenant: Tenant, request_id: str) -> list[AsyncRequestStream]:
         priority = tenant.limits.priority + body.priority
+        if self.admission.requires_key:  # a request may step back, never ahead of its class
+            priority = max(priority, tenant.limits.priority)
         streams = []
         try:
             for i, (ids, sp) in enumerate(zip(prompts, params)):
@@ -137,62 +130,56 @@ class OpenAIServing:
 
     # -- the two endpoints ---------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
-        tenant = self.authenticate(request)
-        body: CompletionRequest = await self.parse(request, CompletionRequest)
+        tenant = self.enter(request)
+        body = await self.parse(request, CompletionRequest)
         for name, unsupported in (("echo", body.echo), ("suffix", body.suffix is not None),
                                   ("best_of", body.best_of not in (None, body.n))):
             if unsupported:
                 raise bad_request(f"'{name}' is not supported by this server.", name)
         try:
-            prompts = [self.encode(p) for p in body.prompts()]
+            texts = body.prompts()
         except ValueError as err:
             raise bad_request(str(err), "prompt") from None
-        for ids in prompts:
-            self.check_length(ids, "prompt")
-        params = [
-            self.sampling_params(body, tenant, self.max_tokens(body.max_tokens, ids),
-                                 body.logprobs)
-            for ids in prompts
-        ]
+        check_fields(body, self.max_model_len, body.max_tokens)
+
+        async def encode() -> list[list[int]]:
+            return [self.prompts.fits(await self.prompts.encode(p), "prompt") for p in texts]
+
         fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", self.model_name,
                                body.logprobs is not None, body.return_token_ids)
-        return await self.run(request, body, tenant, prompts, params, fmt)
+        return await self.run(request, body, tenant, len(texts), encode, body.max_tokens,
+                              body.logprobs, fmt)
 
     async def chat(self, request: Request) -> Response:
-        tenant = self.authenticate(request)
-        body: ChatCompletionRequest = await self.parse(request, ChatCompletionRequest)
+        tenant = self.enter(request)
+        body = await self.parse(request, ChatCompletionRequest)
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("'top_logprobs' needs 'logprobs': true.", "top_logprobs")
-        ids = self.encode_chat(body.conversation())
-        self.check_length(ids, "messages")
         limit = body.max_completion_tokens  # OpenAI's newer name wins
         limit = body.max_tokens if limit is None else limit
+        check_fields(body, self.max_model_len, limit)
+        conversation = body.conversation()
+
+        async def encode() -> list[list[int]]:
+            return [self.prompts.fits(await self.prompts.encode_chat(conversation), "messages")]
+
         k = (body.top_logprobs or 0) if body.logprobs else None
-        params = [self.sampling_params(body, tenant, self.max_tokens(limit, ids), k)]
         fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, body.n, k,
                          body.return_token_ids)
-        return await self.run(request, body, tenant, [ids], params, fmt)
-
-    def encode_chat(self, conversation: list[dict[str, str]]) -> list[int]:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise bad_request("This model has no chat template; use /v1/completions.")
-        try:
-            text = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=True, tokenize=False
-            )
-        except Exception as err:  # e.g. a template that insists roles alternate
-            raise bad_request(f"The chat template refused the messages: {err}",
-                              "messages") from None
-        # the template holds any start-of-text token already (as LLM.chat)
-        return self.encode(text, special=False)
+        return await self.run(request, body, tenant, 1, encode, limit, k, fmt)
 
     async def run(self, request: Request, body: SamplingFields, tenant: Tenant,
-                  prompts: list[list[int]], params: list, fmt) -> Response:
-        if body.n > MAX_N:
-            raise bad_request(f"n must be at most {MAX_N}.", "n")
-        prompt_tokens = sum(map(len, prompts))
-        ticket = self.admit(tenant, body.n * len(prompts), prompt_tokens)
+                  num_prompts: int, encode: Callable[[], Awaitable[list[list[int]]]],
+                  limit: int | None, logprobs: int | None, fmt) -> Response:
+        """Admit, tokenize, submit and answer; the request's place is held from before
+        tokenizing (so the queue's depth bounds the tokenizing too) until it ends."""
+        ticket = self.admission.admit(tenant, body.n * num_prompts)
         try:
+            prompts = await encode()
+            params = [self.sampling_params(body, tenant, self.max_tokens(limit, ids), logprobs)
+                      for ids in prompts]
+            prompt_tokens = sum(map(len, prompts))
+            self.admission.charge(ticket, prompt_tokens)
             streams = self.submit(prompts, params, body, tenant, fmt.request_id)
         except BaseException:
             self.admission.release(ticket)
@@ -239,6 +226,8 @@ class OpenAIServing:
         for output in tally.outputs:
             if output is not None:
                 self.metrics.observe(output)
+            else:  # its client left before it finished: aborted
+                self.metrics.aborted(tally.n)
 
 
 async def until_disconnected(request: Request, work):
