@@ -192,53 +192,16 @@ def _prefill_attention_kernel(
             BLOCK_N, BLOCK_SIZE, True, DOT_FP32, True,
         )
     else:
+        # the keys every row sees (no mask), then those across the diagonal; window unused
         acc, l_i, m_i = _attend_key_tiles(
-            acc,
-            l_i,
-            m_i,
-            q,
-            q_pos,
-            k_base,
-            v_base,
-            table_row,
-            offs_d,
-            0,
-            n_full,
-            kv_len,
-            stride_kb,
-            stride_kt,
-            stride_vb,
-            stride_vt,
-            qk_scale,
-            0,  # window: unused
-            BLOCK_N,
-            BLOCK_SIZE,
-            False,
-            DOT_FP32,
+            acc, l_i, m_i, q, q_pos, k_base, v_base, table_row, offs_d, 0, n_full,
+            kv_len, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, 0,
+            BLOCK_N, BLOCK_SIZE, False, DOT_FP32,
         )
         acc, l_i, m_i = _attend_key_tiles(
-            acc,
-            l_i,
-            m_i,
-            q,
-            q_pos,
-            k_base,
-            v_base,
-            table_row,
-            offs_d,
-            n_full,
-            n_end,
-            kv_len,
-            stride_kb,
-            stride_kt,
-            stride_vb,
-            stride_vt,
-            qk_scale,
-            0,  # window: unused
-            BLOCK_N,
-            BLOCK_SIZE,
-            True,
-            DOT_FP32,
+            acc, l_i, m_i, q, q_pos, k_base, v_base, table_row, offs_d, n_full, n_end,
+            kv_len, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, 0,
+            BLOCK_N, BLOCK_SIZE, True, DOT_FP32,
         )
 
     out = acc / l_i[:, None] * v_scale
