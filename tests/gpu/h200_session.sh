@@ -28,7 +28,7 @@
 #                  SmolLM2 weights, see below)
 #   serve_load   `nanovllm serve` (Qwen3-0.6B shape, dummy weights) in its own process and the
 #                load generator against it -> serve_h200.json; needs the web wheels in .webwhl
-#                (pip download fastapi uvicorn prometheus-client pyyaml httpx for cp312)
+#                (pip download fastapi uvicorn prometheus-client pyyaml httpx openai for cp312; chapter 10 needs openai)
 #   quant_sweep  the int8 GEMM tile sweep: best tiles per layer shape printed in
 #                quant_sweep.log, all timings in int8_sweep_h200.json (not part of `quant`)
 #   troubleshooting  GPU memory for chapter 13: allocator counters, the KV budget, the largest
