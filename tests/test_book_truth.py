@@ -348,6 +348,7 @@ TYPED_NUMBERS: dict[tuple[str, str], Field | Constant] = {
     ("10", "1.26x"): Field("tp_h200x2.json", "engines.1.output_tok_s", per=_TP1_06B),
     ("10", "1.55x"): Field("tp_h200x2.json", "engines.3.output_tok_s", per=_TP1_8B),
     ("06", "75%"): Constant("the `mixed` policy's configured share of the slots"),
+    ("06", "23×"): Constant("a quoted claim: Anyscale's 2023 blog post on continuous batching"),
     ("08", "1.74×"): Constant("the ratio of the two printed weight sizes, 16.4 / 9.4 GB"),
     ("09", "0.1 ms"): Constant("the shared-memory broadcast's polling interval (a setting)"),
     ("11", "141 GB"): Constant("the H200's datasheet memory"),
