@@ -66,8 +66,6 @@ show_roadmap(1)
 # accelerator when there is one (`device`). Three small helpers: `show_source` renders the
 # package's code, `check` asserts that two tensors agree within a tolerance (and says so),
 # `rand` makes seeded random inputs.
-# (Cells that only display the package's source are marked `NBVAL_IGNORE_OUTPUT`: the notebook
-# test checks results, not the exact text of code that keeps evolving.)
 
 # %%
 import dataclasses
