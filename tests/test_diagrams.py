@@ -22,7 +22,14 @@ from nanovllm.viz import diagrams, figures, kernel_diagrams  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = sorted((ROOT / "chapters").glob("[0-9][0-9]_*.py"))
-BIB = (ROOT / "book" / "references.bib").read_text()
+
+
+def book_file(name: str) -> str:
+    """A file of book/, which a student edition does not ship (then the test skips)."""
+    path = ROOT / "book" / name
+    if not path.exists():
+        pytest.skip(f"no book/{name} in this tree (a student edition ships no book/)")
+    return path.read_text()
 
 DIAGRAMS = [diagrams.engine_step_diagram, diagrams.request_path_diagram,
             diagrams.async_overlap_diagram, kernel_diagrams.block_table_diagram,
@@ -231,18 +238,19 @@ def test_every_figure_is_numbered_and_captioned(path: Path) -> None:
 
 
 def test_every_citation_is_in_the_bibliography() -> None:
-    keys = set(re.findall(r"^@\w+\{([^,]+),", BIB, flags=re.M))
+    bib = book_file("references.bib")
+    keys = set(re.findall(r"^@\w+\{([^,]+),", bib, flags=re.M))
     cited = set()
     for path in [*CHAPTERS, *(ROOT / "book").glob("*.md")]:
         for group in re.findall(r"\{cite(?::\w+)?\}`([^`]+)`", path.read_text()):
             cited |= {k.strip() for k in group.split(",")}
     assert cited, "no chapter cites anything"
     assert cited <= keys, sorted(cited - keys)
-    assert len(keys) == len(re.findall(r"^@\w+\{", BIB, flags=re.M)), "a key appears twice"
+    assert len(keys) == len(re.findall(r"^@\w+\{", bib, flags=re.M)), "a key appears twice"
 
 
 def test_the_book_is_wired_to_the_bibliography() -> None:
-    config = (ROOT / "book" / "_config.yml").read_text()
+    config = book_file("_config.yml")
     assert re.search(r"^bibtex_bibfiles:\s*\[references\.bib\]", config, re.M)
-    assert "file: bibliography" in (ROOT / "book" / "_toc.yml").read_text()
-    assert "{bibliography}" in (ROOT / "book" / "bibliography.md").read_text()
+    assert "file: bibliography" in book_file("_toc.yml")
+    assert "{bibliography}" in book_file("bibliography.md")
