@@ -124,6 +124,19 @@ def test_the_recorded_gpu_run_matches_its_executed_copies() -> None:
         assert not chapter["failed"] and chapter["checked_passed"] == len(checked), stem
 
 
+def test_newer_gpu_book_runs_add_up() -> None:
+    """A later GPU run of the book kept as a summary only (its executed copies stayed on the
+    device): its totals are its chapters' sums, and it covers every chapter."""
+    chapters = {p.stem for p in (ROOT / "chapters").glob("[0-9][0-9]_*.ipynb")}
+    for path in (ROOT / "figures" / "data").glob("book_gpu_h200_*.json"):
+        record = json.loads(path.read_text())
+        rows = record["by_chapter"]
+        assert {Path(c["notebook"]).stem for c in rows} == chapters, path.name
+        for key in ("cells_run", "checked_cells", "checked_passed"):
+            assert record[key] == sum(c[key] for c in rows), (path.name, key)
+        assert record["failed_cells"] == sum(len(c["failed"]) for c in rows), path.name
+
+
 def test_a_new_chapter_appears_without_editing_the_toc(tmp_path: Path) -> None:
     """The toc globs chapters/*: a chapter notebook dropped in is staged, mapped and rendered."""
     root = tmp_path / "repo"
