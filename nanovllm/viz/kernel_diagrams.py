@@ -15,9 +15,12 @@ import math
 from typing import Any
 
 from nanovllm.viz.diagrams import arrow, box, canvas
+from nanovllm.viz.records import load_record
 from nanovllm.viz.style import BOOK_COLORS
 
-H200_SMS = 132  # streaming multiprocessors of the H200 the book measures on (chapter 05 §6)
+# The streaming multiprocessors of the H200 the book measures on, as its decode-kernel run
+# recorded them (chapter 05 §6), not typed here.
+H200_SMS = load_record("bench_decode_h200.json")["num_sms"]
 
 
 def _default(field: str) -> Any:
