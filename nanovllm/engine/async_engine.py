@@ -10,7 +10,9 @@ per-request streams (chapter 10; the scheduling it relies on is chapter 06).
     out = await engine.generate("Hello")
     engine.shutdown()
 
-One *engine thread* owns the ``LLMEngine`` (chapter 10 §1): it applies the commands in the
+One *engine thread* owns the ``LLMEngine`` (chapter 10 §1) -- or an ``EngineCoreClient``,
+whose ``step()`` collects what an engine core in its own process has computed
+(``core_client.py``, chapter 10 §6): it applies the commands in the
 inbox (add, abort), runs ``step()`` while there is work, hands each request's deltas to its
 stream, and sleeps on a condition variable otherwise. Producers (any thread) call ``submit``,
 which validates in the caller's thread (``ValueError`` raises there) and claims the request
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nanovllm.config import EngineConfig
 from nanovllm.engine.llm_engine import LLMEngine
@@ -36,6 +38,12 @@ from nanovllm.engine.stream import AsyncRequestStream, Item, RequestStream
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from nanovllm.engine.core_client import EngineCoreClient
+
+
+HEALTH_CHECK_S = 1.0  # how often an idle engine thread checks the engine (check_health)
+
 
 class EngineError(RuntimeError):
     """The engine cannot serve the request: a step failed (see ``__cause__``) or it is shut down."""
@@ -44,7 +52,7 @@ class EngineError(RuntimeError):
 class AsyncEngine:
     """Runs an ``LLMEngine`` on a background thread; see the module docstring."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine | EngineCoreClient) -> None:
         self.engine = engine
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
@@ -61,9 +69,15 @@ class AsyncEngine:
         self._thread.start()
 
     @classmethod
-    def from_model(cls, model: str, **options: Any) -> AsyncEngine:
-        """Build the engine for a model folder; ``options`` are ``EngineConfig`` fields."""
-        return cls(LLMEngine(EngineConfig.from_kwargs(str(model), **options)))
+    def from_model(cls, model: str, engine_process: bool = False, **options: Any) -> AsyncEngine:
+        """Build the engine for a model folder; ``options`` are ``EngineConfig`` fields. With
+        ``engine_process`` the engine core runs in a process of its own (``core_client.py``)."""
+        config = EngineConfig.from_kwargs(str(model), **options)
+        if engine_process:
+            from nanovllm.engine.core_client import EngineCoreClient
+
+            return cls(EngineCoreClient(config))
+        return cls(LLMEngine(config))
 
     # -- producers -----------------------------------------------------------------------
     def submit(self, prompt: Any, params: SamplingParams | None = None,
@@ -162,7 +176,8 @@ class AsyncEngine:
             while True:
                 with self._lock:
                     while not (self._inbox or self._stop or busy()):
-                        self._wakeup.wait()
+                        if not self._wakeup.wait(HEALTH_CHECK_S):
+                            self.engine.check_health()  # idle: is it still able to step?
                     if idle and not self._inbox and not self._stop:
                         self._wakeup.wait(0.01)  # nothing could be scheduled: don't spin
                     commands, self._inbox = self._inbox, []
@@ -187,13 +202,13 @@ class AsyncEngine:
         if command[0] == "add":
             _, seqs, stream = command
             self._outputs.add_request(seqs, stream)  # (its id was claimed in submit)
-            for seq in seqs:
-                self.engine.add_sequence(seq)
+            self.engine.add_sequences(seqs)
         else:
             _, request_id, done, aborted = command
             outputs = self.engine.abort_request(request_id)
             self._publish(outputs)
-            aborted.append(bool(outputs))
+            aborted.append(any(o.finish_reason == "abort" and o.request_id == request_id
+                               for o in outputs))
             done.set()
 
     def _publish(self, outputs: list[EngineCoreOutput]) -> None:

@@ -21,7 +21,7 @@ from nanovllm.config import EngineConfig
 from nanovllm.distributed import check_divisible
 from nanovllm.engine.input_processor import InputProcessor
 from nanovllm.engine.invariants import check_invariants
-from nanovllm.engine.metrics import EngineStats, StepMetrics, TimelineRecorder
+from nanovllm.engine.metrics import EngineLoad, EngineStats, StepMetrics, TimelineRecorder
 from nanovllm.engine.model_runner import InFlight, ModelRunner
 from nanovllm.engine.output_processor import EngineCoreOutput
 from nanovllm.engine.scheduler import Scheduler
@@ -34,6 +34,14 @@ from nanovllm.sampling_params import SamplingParams
 from nanovllm.tokenizer import load_tokenizer
 
 MAX_DEFAULT_MODEL_LEN = 8192
+
+
+def eos_token_ids(model_config: ModelConfig, tokenizer) -> set[int]:
+    """The tokens that end a sequence: the model config's and the tokenizer's."""
+    ids = set(model_config.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
 
 
 class LLMEngine:
@@ -52,9 +60,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
                              f"max_position_embeddings {self.model_config.max_position_embeddings}")
         self.tokenizer = load_tokenizer(config.model)
-        self.eos_token_ids = set(self.model_config.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = eos_token_ids(self.model_config, self.tokenizer)
         self.runner = ModelRunner(config, self.model_config)
         self.runner.sampling_inputs.eos_token_ids = self.eos_token_ids  # for min_tokens
         self.block_manager = make_block_manager(  # frees out-of-window blocks (chapter 12)
@@ -93,15 +99,19 @@ class LLMEngine:
         self.input_processor.request_ids.claim([seq])
         self.scheduler.add(seq)
 
+    def add_sequences(self, seqs: list[Sequence]) -> None:
+        """``add_sequence`` for every sample of one request, claimed together."""
+        self.input_processor.request_ids.claim(seqs)
+        for seq in seqs:
+            self.scheduler.add(seq)
+
     def add_request(self, request_id: str | None, prompt: object, params: SamplingParams,
                     priority: int = 0) -> str:
         """Validate and queue one request (vLLM's signature); returns its id, generated
         when ``request_id`` is None. Its reports carry that id (and the sample's index)."""
         seqs = self.make_sequences(prompt, params, request_id, priority)
-        request_id = self.input_processor.request_ids.claim(seqs)
-        for seq in seqs:
-            self.add_sequence(seq)
-        return request_id
+        self.add_sequences(seqs)
+        return seqs[0].parent_id
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[EngineCoreOutput]:
         """Finish requests with reason "abort", freeing their KV blocks now; returns the
@@ -110,6 +120,17 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def check_health(self) -> None:
+        """Raise if the engine cannot step: a tensor-parallel worker has exited (chapter 09)."""
+        if self.runner.executor is not None:
+            self.runner.executor.check_workers()
+
+    def load(self) -> EngineLoad:
+        """How busy the engine is now (the server's gauges read this)."""
+        bm = self.block_manager
+        return EngineLoad(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage,
+                          bm.prefix_hit_rate)
 
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache (``BlockManager.reset_prefix_cache``); False, changing

@@ -12,7 +12,7 @@ import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from nanovllm.outputs import RequestMetrics
 
@@ -37,6 +37,15 @@ class StepMetrics:
     @property
     def wall_time(self) -> float:
         return self.end - self.start
+
+
+class EngineLoad(NamedTuple):
+    """How busy an engine is: what a server's gauges show."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    prefix_hit_rate: float
 
 
 class EngineStats:

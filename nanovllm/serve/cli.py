@@ -52,6 +52,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds requests in flight get after SIGTERM, while new ones "
                         "get 503; then exit 0 (default 30)")
     parser.add_argument("--log-level", help="uvicorn's log level (default info)")
+    parser.add_argument("--in-process-engine", dest="engine_process", action="store_const",
+                        const=False, help="step the engine on a thread of the server's own "
+                        "process (default: an engine-core process of its own)")
 
 
 def config_from_args(args: argparse.Namespace):
@@ -66,7 +69,7 @@ def config_from_args(args: argparse.Namespace):
     limits = {"requests_per_second": args.requests_per_second,
               "tokens_per_minute": args.tokens_per_minute}
     fields = ("model", "host", "port", "served_model_name", "api_keys", "max_queue_depth",
-              "max_body_bytes", "header_timeout", "grace_period", "log_level",
+              "max_body_bytes", "header_timeout", "grace_period", "log_level", "engine_process",
               *(dest for _, dest, _, _ in ENGINE_FLAGS))
     overrides = {name: getattr(args, name) for name in fields}
     overrides["engine"] = engine or None

@@ -24,6 +24,7 @@
       - {key: sk-alice, name: alice, class: interactive}
       - {key_env: BOB_KEY, name: bob, class: batch}   # the secret from an environment variable
     grace_period: 30                 # seconds in-flight requests get after SIGTERM
+    engine_process: true             # the engine core in a process of its own (false: a thread)
 
 A wrong name or value raises ``ConfigError`` naming the field (``limits.burst must be an
 int >= 1, got 0``); engine option names are checked here, their values by ``EngineConfig``.
@@ -89,6 +90,7 @@ class ServeConfig:
     api_keys: list[ApiKey] = field(default_factory=list)
     grace_period: float = 30.0
     log_level: str = "info"
+    engine_process: bool = True  # the engine core in its own process (core_client.py)
 
     def __post_init__(self) -> None:
         self.model = os.path.expanduser(str(self.model))
@@ -129,6 +131,7 @@ class ServeConfig:
         check("header_timeout", lambda t: t is None or (is_number(t) and t > 0), "seconds > 0")
         check("grace_period", lambda g: g is None or (is_number(g) and g >= 0), "seconds >= 0")
         check("log_level", lambda v: v is None or v in LOG_LEVELS, f"one of {LOG_LEVELS}")
+        check("engine_process", lambda v: v is None or isinstance(v, bool), "true or false")
         limits = _limits(where, "limits", data.pop("limits", None) or {}, Limits())
         classes = data.pop("key_classes", None) or {}
         _expect(where, "key_classes", classes, lambda d: isinstance(d, dict), "a mapping")

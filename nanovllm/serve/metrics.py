@@ -1,7 +1,9 @@
 """``/metrics``: the server's Prometheus metrics, vLLM's names under ``nanovllm:`` (chapter 10).
 
 Gauges are read from the engine when Prometheus scrapes (running and waiting sequences,
-KV-cache usage, prefix-cache hit rate); histograms and counters are updated when a request
+KV-cache usage, prefix-cache hit rate: ``engine.load()``, which an engine core in another
+process reports with every step), and so are the engine's step times since the last scrape
+(``engine_step_seconds``); histograms and counters are updated when a request
 ends (time to first token, time per output token, end-to-end latency, queue time; prompt
 and generated tokens; finished requests by reason, "abort" when the client left) or is
 turned away (rejections by reason: every error answer, 400s included, by its code). Each
@@ -10,10 +12,15 @@ server has its own registry, so several can live in one process (tests).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from nanovllm.engine.core_client import EngineCoreClient
+    from nanovllm.engine.llm_engine import LLMEngine
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Latency buckets (seconds), from a GPU's milliseconds to a loaded CPU's seconds
@@ -21,29 +28,32 @@ TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 
                 7.5, 10.0, 20.0, 40.0, 80.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
                 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+STEP_BUCKETS = (0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1,
+                0.25, 0.5, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                50.0, 60.0, 120.0, 240.0)
 
 
 class ServerMetrics:
-    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+    def __init__(self, engine: LLMEngine | EngineCoreClient, model_name: str) -> None:
         self.registry = registry = CollectorRegistry()
         self.model_name = model_name
+        self.engine_stats, self._steps_seen = engine.stats, engine.stats.num_steps
         label = ["model_name"]
 
         def gauge(name: str, doc: str, read) -> None:
             g = Gauge(f"nanovllm:{name}", doc, label, registry=registry)
             g.labels(model_name).set_function(read)
 
-        scheduler, blocks = engine.scheduler, engine.block_manager
+        load = engine.load
         gauge("num_requests_running", "Sequences in the running batch.",
-              lambda: len(scheduler.running))
+              lambda: load().num_running)
         gauge("num_requests_waiting", "Sequences waiting for a slot.",
-              lambda: len(scheduler.waiting))
+              lambda: load().num_waiting)
         gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).",
-              lambda: blocks.usage)
+              lambda: load().kv_usage)
         gauge("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache (0-1).",
-              lambda: blocks.prefix_hit_rate)
+              lambda: load().prefix_hit_rate)
 
         def histogram(name: str, doc: str, buckets) -> Histogram:
             return Histogram(f"nanovllm:{name}", doc, label, buckets=buckets, registry=registry)
@@ -54,6 +64,8 @@ class ServerMetrics:
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS)
         self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.",
                                E2E_BUCKETS)
+        self.step = histogram("engine_step_seconds", "Wall time of one engine step, in the "
+                              "engine core.", STEP_BUCKETS)
         self.prompt_tokens = Counter("nanovllm:prompt_tokens", "Prompt tokens processed.",
                                      label, registry=registry)
         self.generation_tokens = Counter("nanovllm:generation_tokens", "Tokens generated.",
@@ -62,7 +74,7 @@ class ServerMetrics:
                                 [*label, "finished_reason"], registry=registry)
         self.rejected = Counter("nanovllm:request_rejected", "Requests turned away, by reason.",
                                 [*label, "reason"], registry=registry)
-        for metric in (self.ttft, self.tpot, self.e2e, self.queue, self.prompt_tokens,
+        for metric in (self.ttft, self.tpot, self.e2e, self.queue, self.step, self.prompt_tokens,
                        self.generation_tokens):
             metric.labels(model_name)  # every series exists from the start, at zero
 
@@ -90,4 +102,15 @@ class ServerMetrics:
         self.rejected.labels(self.model_name, reason).inc()
 
     def render(self) -> bytes:
+        self._observe_steps()
         return generate_latest(self.registry)
+
+    def _observe_steps(self) -> None:
+        """The engine's steps since the last scrape (as many as its stats still hold)."""
+        stats = self.engine_stats
+        new = min(stats.num_steps - self._steps_seen, len(stats.steps))
+        self._steps_seen = stats.num_steps
+        if new > 0:
+            hist = self.step.labels(self.model_name)
+            for step in list(stats.steps)[-new:]:
+                hist.observe(step.wall_time)

@@ -7,7 +7,12 @@ the first signal stops admitting -- the server keeps listening, new requests get
 away -- and lets the requests in flight finish for up to ``grace_period`` seconds; whatever
 still runs then is aborted, so its stream ends with finish_reason "abort" and its client
 gets a complete response. Then uvicorn closes the socket and the process exits with status
-0: a shutdown it was asked for. A second signal quits at once.
+0: a shutdown it was asked for. A second signal quits at once. If the engine stops unasked
+(its core process killed, a failed step), every open request has ended with an error, and
+the server stops and exits with status 1, so that a supervisor restarts it.
+
+By default the engine core runs in a process of its own (``engine_process``, chapter 10 §6),
+so that HTTP, JSON and detokenizing never hold up a step.
 
 ``ServerThread(app)`` runs an app on 127.0.0.1 on a free port in a background thread: for
 tests, notebooks and the load generator (signals stay with the main thread).
@@ -45,6 +50,15 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.app, self.engine, self.grace_period = app, engine, grace_period
         self._draining = False
+        self.engine_failed = False  # the engine stopped unasked: exit with status 1
+
+    async def on_tick(self, counter: int) -> bool:
+        if not self._draining and not self.engine.is_running and not self.engine_failed:
+            logger.error("the engine has stopped; shutting down")
+            self.engine_failed = True
+            self.app.state.serving.draining = True  # (its requests have ended with 503s)
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     def handle_exit(self, sig: int, frame) -> None:
         if self._draining:  # a second signal: uvicorn's own exit (and the signal's status)
@@ -68,16 +82,20 @@ def serve(config: ServeConfig) -> None:
     logging.basicConfig(level=config.log_level.upper() if config.log_level != "trace" else 5,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logger.info("loading %s", config.model)
-    engine = AsyncEngine.from_model(config.model, **config.engine_options())
+    engine = AsyncEngine.from_model(config.model, engine_process=config.engine_process,
+                                    **config.engine_options())
     try:
         app = build_app(engine, config)
         uv_config = uvicorn_config(
             app, config, host=config.host, port=config.port, log_level=config.log_level,
             timeout_graceful_shutdown=SHUTDOWN_MARGIN,
         )
-        DrainingServer(uv_config, app, engine, config.grace_period).run()
+        server = DrainingServer(uv_config, app, engine, config.grace_period)
+        server.run()
     finally:
         engine.shutdown(wait=False)
+    if server.engine_failed:
+        raise SystemExit(1)
 
 
 class ServerThread:

@@ -33,6 +33,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from nanovllm.engine.async_engine import AsyncEngine, AsyncRequestStream, EngineError
+from nanovllm.engine.core_client import EngineCoreDied
 from nanovllm.outputs import RequestOutput
 from nanovllm.serve.body import Model, parse_body
 from nanovllm.serve.caps import check_fields
@@ -195,7 +196,9 @@ class OpenAIServing:
             return EventStream(events, close)
         try:
             outputs = await until_disconnected(request, self.collect(streams, tally))
-        except EngineError as err:  # a step failed: the engine has stopped
+        except EngineError as err:  # the engine has stopped
+            if isinstance(err.__cause__, EngineCoreDied):  # (its process: try another replica)
+                raise APIError(503, f"The engine has stopped: {err}", "unavailable") from None
             raise APIError(500, f"The engine failed: {err}", "engine_error") from None
         finally:
             self.finish(ticket, tally, streams)
