@@ -29,6 +29,11 @@
 #   serve_load   `nanovllm serve` (Qwen3-0.6B shape, dummy weights) in its own process and the
 #                load generator against it -> serve_h200.json; needs the web wheels in .webwhl
 #                (pip download fastapi uvicorn prometheus-client pyyaml httpx openai for cp312; chapter 10 needs openai)
+#   serve_compare issue 31: nanovllm.benchmarks.serve_compare (offline LLM.generate, then the server
+#                with the engine on a thread and in its own process; 4 client processes; rates
+#                4/16/64/inf; 256 x 128->64 and 1024 x 128->128) -> serve_compare_h200.json (~8 min)
+#   serve_profile issue 31: py-spy (in .webwhl) samples the API process (every thread) and the
+#                engine core for 6 s at rate inf -> serve_profile_h200.json (tests/gpu/pyspy_summary.py)
 #   quant_sweep  the int8 GEMM tile sweep: best tiles per layer shape printed in
 #                quant_sweep.log, all timings in int8_sweep_h200.json (not part of `quant`)
 #   troubleshooting  GPU memory for chapter 13: allocator counters, the KV budget, the largest
@@ -132,6 +137,37 @@ for _ in range(360):
       run serve_load 420 python3 -m nanovllm.benchmarks.serve --base-url http://127.0.0.1:8765 \
         --rates 4 16 64 inf --num-requests 256 --json "$OUT/serve_h200.json" --figure "$OUT/serve_h200.png"
       kill -TERM $server; wait $server; echo "   server exit $?"; tail -n 5 "$OUT/serve_server.log" ;;
+    serve_compare)  # issue 31: offline vs the server, engine on a thread vs in its own process
+      web_wheels
+      run serve_compare 580 python3 -m nanovllm.benchmarks.serve_compare nanovllm/configs/qwen3-0.6b \
+        --option load_format=dummy --option gpu_memory_utilization=0.45 --rates 4 16 64 inf \
+        --num-requests 256 --input-len 128 --output-len 64 --large 1024 128 --clients 4 \
+        --json "$OUT/serve_compare_h200.json" --figure "$OUT/serve_compare_h200.png" ;;
+    serve_profile)  # issue 31: py-spy on the API process and the engine core at rate inf
+      web_wheels
+      python3 -m nanovllm.serve nanovllm/configs/qwen3-0.6b --port 8766 --log-level warning \
+        --option load_format=dummy --option gpu_memory_utilization=0.45 --max-queue-depth 100000 \
+        >"$OUT/serve_profile_server.log" 2>&1 &
+      server=$!
+      python3 -c 'import time, httpx
+for _ in range(360):
+    try:
+        if httpx.get("http://127.0.0.1:8766/health").status_code == 200: break
+    except httpx.HTTPError: pass
+    time.sleep(0.5)'
+      core=$(awk '{print $1}' /proc/$server/task/$server/children)
+      python3 -m nanovllm.benchmarks.serve --base-url http://127.0.0.1:8766 --rates inf \
+        --num-requests 2048 --output-len 128 >"$OUT/serve_profile_load.log" 2>&1 &
+      load=$!
+      sleep 5
+      /tmp/web/bin/py-spy record -p "$server" --duration 6 --rate 250 --format raw --threads \
+        --nonblocking -o "$OUT/api_profile.txt" >"$OUT/pyspy_api.log" 2>&1 &
+      /tmp/web/bin/py-spy record -p "$core" --duration 6 --rate 250 --format raw \
+        --nonblocking -o "$OUT/core_profile.txt" >"$OUT/pyspy_core.log" 2>&1
+      wait $load; tail -n 3 "$OUT/serve_profile_load.log"; tail -n 3 "$OUT"/pyspy_*.log
+      kill -TERM $server; wait $server; echo "   server exit $?"
+      python3 tests/gpu/pyspy_summary.py "$OUT/api_profile.txt" "$OUT/core_profile.txt" \
+        >"$OUT/serve_profile_h200.json"; head -c 3000 "$OUT/serve_profile_h200.json" ;;
     isolation) run isolation 300 python3 -m pytest -q -p no:cacheprovider tests/test_isolation.py \
       tests/test_async_engine.py tests/test_async_scheduling.py tests/test_prefix_caching.py ;;
     executed)
