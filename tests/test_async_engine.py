@@ -16,7 +16,7 @@ from test_isolation import PoisonablePolicy, run_in_threads
 from test_scheduler import make_llm, make_tiny_llama, one_torch_thread  # noqa: F401
 
 from nanovllm import SamplingParams
-from nanovllm.engine.async_engine import AsyncEngine, EngineError
+from nanovllm.engine.async_engine import HEALTH_CHECK_S, AsyncEngine, EngineError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
@@ -262,7 +262,7 @@ def test_no_idle_wait_while_requests_take_turns(model_dir, async_scheduling, mon
     real_wait = engine._wakeup.wait
 
     def wait(timeout=None):
-        if timeout is not None:
+        if timeout is not None and timeout != HEALTH_CHECK_S:  # (an idle engine's check)
             naps.append(timeout)
         return real_wait(timeout)
 
@@ -331,3 +331,30 @@ def test_aborting_an_n_request_frees_every_sample(engine):
     assert bm.num_free_blocks == bm.num_blocks
     out = stream.result(timeout=5)
     assert [o.finish_reason for o in out.outputs] == ["abort"] * 4
+
+
+def test_coalesce_merges_runs_of_plain_items_and_keeps_the_ends():
+    from nanovllm.engine.stream import Item, coalesce
+
+    end = Item([9], 0, None, None, "output")  # a request's last item
+    items = [Item([1], 0, ["a"]), Item([2, 3], 0, ["b", "c"]), Item([4], 1, None),
+             Item([5], 1, None), Item([6], 0, ["d"]), end]
+    assert coalesce(items) == [Item([1, 2, 3], 0, ["a", "b", "c"]), Item([4, 5], 1, None),
+                               Item([6], 0, ["d"]), end]
+    assert coalesce([]) == [] and coalesce([end, end]) == [end, end]
+
+
+def test_a_reader_that_falls_behind_gets_every_token_in_fewer_chunks(engine):
+    async def slow_reader() -> tuple[list[int], str, int]:
+        ids, text, chunks = [], "", 0
+        async for chunk in engine.stream(PROMPTS[0], SamplingParams(temperature=0, max_tokens=24)):
+            ids += chunk.token_ids
+            text += chunk.text
+            chunks += 1
+            await asyncio.sleep(0.05)  # several engine steps per read
+        return ids, text, chunks
+
+    ids, text, chunks = asyncio.run(slow_reader())
+    ref = engine.submit(PROMPTS[0], SamplingParams(temperature=0, max_tokens=24)).result(30)
+    assert ids == ref.outputs[0].token_ids and text == ref.outputs[0].text
+    assert chunks < 24

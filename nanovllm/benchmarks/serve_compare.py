@@ -93,9 +93,12 @@ def cpu_seconds(pid: int) -> float:
         return math.nan
 
 
-def children(pid: int) -> list[int]:
+def engine_cores(pid: int) -> list[int]:
+    """The server's engine-core process (multiprocessing's spawned child; not its resource
+    tracker), if it has one: Linux /proc."""
     try:
-        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        return [int(k) for k in kids if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes()]
     except OSError:
         return []
 
@@ -107,7 +110,7 @@ def run_load(pool, base_url: str, prompts: list[list[int]], rate: float, output_
     shares = [prompts[i::k] for i in range(k)]
     start_at = time.time() + 0.5
     pids = {"api_process": server.pid}
-    cores = children(server.pid)  # (none when the engine steps on a thread)
+    cores = engine_cores(server.pid)  # (none when the engine steps on a thread)
     if cores:
         pids["engine_core"] = cores[0]
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
@@ -153,23 +156,26 @@ def start_server(model: str, options: list[str], mode: str) -> tuple[subprocess.
             time.sleep(0.5)
 
 
-def offline(model: str, options: list[str], prompts: list[list[int]], output_len: int) -> dict:
-    """``LLM.generate`` on the same prompts (after a warm-up), then the GPU given back."""
+def offline(model: str, options: list[str], sets: list[tuple]) -> dict:
+    """``LLM.generate`` on each set's prompts (after a warm-up), then the GPU given back."""
     import yaml
 
     from nanovllm import LLM, SamplingParams
 
     kwargs = {k: yaml.safe_load(v) for k, _, v in (o.partition("=") for o in options)}
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    report = {}
     with LLM(model, **kwargs) as llm:
-        llm.generate(prompts[:16], params, use_tqdm=False)
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        duration = time.perf_counter() - start
-        device = llm.engine.config.device
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"num_requests": len(prompts), "duration_s": duration, "output_tokens": tokens,
-            "output_throughput_tps": tokens / duration, "device": device}
+        for name, prompts, output_len in sets:
+            params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+            llm.generate(prompts[:16], params, use_tqdm=False)
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            duration = time.perf_counter() - start
+            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            report[name] = {"num_requests": len(prompts), "duration_s": duration,
+                            "output_tokens": tokens, "output_throughput_tps": tokens / duration}
+            print(f"offline {name}: {tokens / duration:.0f} tok/s", flush=True)
+    return report
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -197,15 +203,14 @@ def main(argv: list[str] | None = None) -> dict:
               "config": {k: v for k, v in vars(args).items() if k not in ("json", "figure")},
               "offline": {}, "servers": {}}
     report["config"]["rates"] = [r if math.isfinite(r) else "inf" for r in args.rates]
-    for name, prompts, out_len in sets:
-        report["offline"][name] = offline(args.model, args.option, prompts, out_len)
-        print(f"offline {name}: {report['offline'][name]['output_throughput_tps']:.0f} tok/s",
-              flush=True)
+    report["offline"] = offline(args.model, args.option, sets)
+    save = (lambda: Path(args.json).write_text(json.dumps(report, indent=1))) if args.json \
+        else (lambda: None)  # after every run: a cut-short sitting keeps what it measured
     pool = multiprocessing.get_context("spawn").Pool(args.clients)
     try:
         for mode in args.modes:
             server, url = start_server(args.model, args.option, mode)
-            runs = []
+            runs = report["servers"][mode] = []
             try:
                 run_load(pool, url, sets[0][1][:32], math.inf, 8, True, server, 99)  # warm-up
                 plan = [(sets[0], rate, True) for rate in args.rates]
@@ -215,6 +220,7 @@ def main(argv: list[str] | None = None) -> dict:
                     run = run_load(pool, url, prompts, rate, out_len, stream, server, len(runs))
                     run["set"] = name
                     runs.append(run)
+                    save()
                     print(f"{mode} {name} rate {run['rate']} {'stream' if stream else 'whole'}: "
                           f"{run['completed']}/{len(prompts)} ok, "
                           f"{run['output_throughput_tps']:.0f} tok/s, TPOT p50 "
@@ -224,11 +230,9 @@ def main(argv: list[str] | None = None) -> dict:
             finally:
                 server.send_signal(signal.SIGTERM)
                 server.wait(120)
-            report["servers"][mode] = runs
     finally:
         pool.terminate()
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
+    save()
     if args.figure:
         plot(report).savefig(args.figure)
     return report

@@ -27,6 +27,7 @@ an ``LLMEngine``, nothing else may call that engine; reading its ``stats`` is fi
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +35,7 @@ from nanovllm.config import EngineConfig
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.output_processor import EngineCoreOutput, OutputProcessor
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.stream import AsyncRequestStream, Item, RequestStream
+from nanovllm.engine.stream import AsyncRequestStream, LoopBridge, RequestStream
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
@@ -63,6 +64,7 @@ class AsyncEngine:
         self._stop: str | None = None  # None, "drain" (finish all) or "abort"
         self._closed = False  # the engine thread has stopped reading the inbox
         self._request_ids = engine.input_processor.request_ids  # thread-safe
+        self._bridges: dict[asyncio.AbstractEventLoop, LoopBridge] = {}  # (under _lock)
         # the engine thread's: the requests it has added, and what they have produced
         self._outputs = OutputProcessor(engine.tokenizer, self._request_ids)
         self._thread = threading.Thread(target=self._run, name="nanovllm-engine", daemon=True)
@@ -150,13 +152,12 @@ class AsyncEngine:
         from a coroutine: ``async for chunk in engine.stream(prompt, params): ...``."""
         loop = asyncio.get_running_loop()
         items: asyncio.Queue = asyncio.Queue()
-
-        def sink(item: Item) -> None:  # runs on the engine thread
-            try:
-                loop.call_soon_threadsafe(items.put_nowait, item)
-            except RuntimeError:  # the event loop is closed: nobody is listening
-                pass
-
+        with self._lock:
+            bridge = self._bridges.get(loop)
+            if bridge is None:
+                bridge = self._bridges[loop] = LoopBridge(loop)
+                self._bridges = {k: b for k, b in self._bridges.items() if not k.is_closed()}
+        sink = functools.partial(bridge.put, items)  # flushed by the engine thread
         stream = self._submit(prompt, params, request_id, priority, sink)
         return AsyncRequestStream(stream, items, lambda rid: self.abort(rid, wait=False))
 
@@ -225,6 +226,14 @@ class AsyncEngine:
                 stream.push(ids, index, logprobs, state.output().outputs[index])
             else:
                 stream.push(ids, index, logprobs)
+        self._flush()
+
+    def _flush(self) -> None:
+        """Wake each event loop once for everything this step delivered to it."""
+        with self._lock:
+            bridges = list(self._bridges.values())
+        for bridge in bridges:
+            bridge.flush()
 
     def _fail_all(self, exc: BaseException) -> None:
         error = EngineError(f"engine step failed: {exc!r}")
@@ -235,6 +244,7 @@ class AsyncEngine:
         for stream in streams:
             self._request_ids.release(stream.request_id)
             stream.end(error=error)
+        self._flush()
 
     def _close_inbox(self) -> None:
         """Release whoever still waits on a command the loop will never read."""

@@ -109,9 +109,56 @@ class RequestStream:
             yield self.to_chunk(self._items.get())
 
 
+class LoopBridge:
+    """Hands items from the engine thread to the asyncio queues of one event loop: ``put``
+    collects, ``flush`` delivers them all with one wake-up of the loop -- one per engine step,
+    not one per token of every request (a thread-safe call costs a write to the loop's
+    self-pipe and a pass of the loop). Only the engine thread calls ``put`` and ``flush``."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._pending: list[tuple[asyncio.Queue, Item]] = []
+
+    def put(self, items: asyncio.Queue, item: Item) -> None:
+        self._pending.append((items, item))
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        batch, self._pending = self._pending, []
+        try:
+            self.loop.call_soon_threadsafe(_deliver, batch)
+        except RuntimeError:  # the event loop is closed: nobody is listening
+            pass
+
+
+def _deliver(batch: list[tuple[asyncio.Queue, Item]]) -> None:
+    for items, item in batch:
+        items.put_nowait(item)
+
+
+def coalesce(items: list[Item]) -> list[Item]:
+    """Merge runs of plain items (tokens only) of the same sample: a reader that fell behind
+    by several steps catches up with one chunk -- one detokenization, one event -- instead of
+    one per token. Items that end a sample or the request stay as they are."""
+    merged: list[Item] = []
+    for item in items:
+        last = merged[-1] if merged else None
+        plain = item.completion is None and item.output is None and item.error is None
+        if (plain and last is not None and last.index == item.index and last.completion is None
+                and last.output is None and last.error is None):
+            logprobs = None if last.logprobs is None else last.logprobs + (item.logprobs or [])
+            merged[-1] = last._replace(token_ids=last.token_ids + item.token_ids,
+                                       logprobs=logprobs)
+        else:
+            merged.append(item)
+    return merged
+
+
 class AsyncRequestStream:
     """A ``RequestStream`` read through asyncio (``async for``); leaving the loop early
-    (a ``break``, a cancelled task) calls ``abort`` with the request's id."""
+    (a ``break``, a cancelled task) calls ``abort`` with the request's id. Whatever has
+    arrived by the time the reader asks is read at once (``coalesce``)."""
 
     def __init__(self, stream: RequestStream, items: asyncio.Queue,
                  abort: Callable[[str], Any]) -> None:
@@ -122,9 +169,13 @@ class AsyncRequestStream:
         finished = False
         try:
             while not finished:
-                chunk = self.stream.to_chunk(await self._items.get())
-                finished = chunk.finished
-                yield chunk
+                batch = [await self._items.get()]
+                while not self._items.empty():
+                    batch.append(self._items.get_nowait())
+                for item in coalesce(batch):
+                    chunk = self.stream.to_chunk(item)
+                    finished = chunk.finished
+                    yield chunk
         finally:
             if not finished and not self.stream.done:
                 self._abort(self.request_id)  # nobody is listening any more

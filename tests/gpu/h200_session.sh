@@ -155,7 +155,8 @@ for _ in range(360):
         if httpx.get("http://127.0.0.1:8766/health").status_code == 200: break
     except httpx.HTTPError: pass
     time.sleep(0.5)'
-      core=$(awk '{print $1}' /proc/$server/task/$server/children)
+      core=$(for c in $(cat /proc/$server/task/$server/children); do
+        grep -qa spawn_main /proc/$c/cmdline && echo $c; done | head -n 1)  # (not the resource tracker)
       python3 -m nanovllm.benchmarks.serve --base-url http://127.0.0.1:8766 --rates inf \
         --num-requests 2048 --output-len 128 >"$OUT/serve_profile_load.log" 2>&1 &
       load=$!
