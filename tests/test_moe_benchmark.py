@@ -42,14 +42,18 @@ def test_layer_section_at_tiny_sizes(tiny_folder, tmp_path):
         assert 1 <= row["experts_touched"] <= min(8, 2 * row["tokens"])
 
 
-def test_workload_section_with_the_peer(tiny_folder):
-    record = moe.main(["workload", "--model", str(tiny_folder), "--device", "cpu",
-                       "--num-requests", "2", "--dummy", "--peer", "hf", "--peer-requests", "1"])
-    assert record["tok_s"] > 0 and record["output_tokens"] > 0
-    prompts = moe.make_workload("cpu", 2).prompts
-    assert [sum(c) for c in record["expert_load"]] == [2 * sum(map(len, prompts))] * 2
+def test_workload_section_with_the_peer(tiny_folder, monkeypatch):
+    from nanovllm.benchmarks import workload
+
+    monkeypatch.setattr(workload, "warm_up", lambda *args, **kwargs: None)  # (compiles nothing)
+    prompts = [[5, 6, 7, 8] * 3, list(range(100, 120))]
+    work = Workload(prompts, [6, 4])
+    record = moe.workload_benchmark(str(tiny_folder), "dummy", work, device="cpu")
+    assert record["output_tokens"] == 10 and record["tok_s"] > 0
+    assert [sum(c) for c in record["expert_load"]] == [2 * 32] * 2  # every prompt token, k=2
     assert record["max_over_mean"] >= 1
-    assert record["peer"]["hf_tok_s"] > 0, record["peer"]
+    peer = moe.peer_run(str(tiny_folder), "dummy", work, 1, device="cpu")
+    assert peer["hf_tok_s"] > 0 and peer["nanovllm_tok_s"] > 0, peer
 
 
 def test_bound_reads_all_experts_only_for_large_batches(tiny_folder):
