@@ -23,6 +23,7 @@ transformers on the first ``--peer-requests`` requests (and nanovllm again on th
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 from pathlib import Path
@@ -101,8 +102,8 @@ def layer_benchmark(num_experts: int, top_k: int, hidden: int, inter: int, token
         for name, fn in layer_methods(device).items():
             out = fn(x, w13, w2, weights, ids).float()
             error = float((out - reference).abs().max()) if t else 0.0
-            times = time_calls(lambda: fn(x, w13, w2, weights, ids), reps, 3, device,
-                               events=device == "cuda")
+            call = functools.partial(fn, x, w13, w2, weights, ids)
+            times = time_calls(call, reps, 3, device, events=device == "cuda")
             seconds = statistics.median(times)
             rows.append(dict(tokens=t, method=name, seconds=seconds, experts_touched=touched,
                              bytes=nbytes, flops=flops, bytes_per_s=nbytes / seconds,
