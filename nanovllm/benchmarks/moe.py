@@ -46,7 +46,8 @@ from nanovllm.layers.fused_moe import FusedMoE, moe_reference
 from nanovllm.layers.router import Router, route
 from nanovllm.models import ModelConfig
 
-GROUPED_MM = getattr(F, "grouped_mm", None)
+# torch 2.13 names it; 2.11 has it as a private op.
+GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
 def moe_grouped_mm(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
