@@ -100,11 +100,13 @@ def record(name: str) -> dict | None:
 # %% [markdown]
 # ## 1. Why experts: parameters against FLOPs per token
 #
-# A decoder layer's MLP is SwiGLU: `down(silu(gate(x)) * up(x))`, $3HI$ weights for hidden
-# size $H$ and width $I$, and $2 \cdot 3HI$ FLOPs per token. A MoE layer holds $E$ such
-# MLPs of a smaller width $I_e$ and a router ($E \times H$), and runs $k$ of them per token:
+# A decoder layer's MLP is SwiGLU: `down(silu(gate(x)) * up(x))`, $3 D D_{\text{ff}}$ weights
+# for hidden size $D$ and width $D_{\text{ff}}$, and $2 \cdot 3 D D_{\text{ff}}$ FLOPs per
+# token. A MoE layer holds $E$ such MLPs, each of a smaller width $D_e$, and a router
+# ($E \times D$), and runs $k$ of them per token:
 #
-# $$\text{parameters} \propto E \cdot 3 H I_e, \qquad \text{FLOPs per token} \approx 2 \cdot k \cdot 3 H I_e .$$
+# $$N_{\text{params}} \propto E \cdot 3 D D_e, \qquad
+#   \text{FLOPs per token} \approx 2 \cdot k \cdot 3 D D_e .$$
 #
 # The parameters (what the model *knows*) grow with $E$, the cost per token with $k$. The
 # shipped configs (`nanovllm/configs/`) give the numbers for Qwen3-30B-A3B beside dense Qwen3
@@ -152,7 +154,7 @@ for name, cfg in shapes.items():
 # ## 2. The router, built small
 #
 # The router is one linear layer, `gate`: a score per expert for each token,
-# `logits = x @ gate.T`, $[T, E]$. Qwen3-MoE and Mixtral both turn the scores into
+# `logits = x @ gate.T`, $[n, E]$ for $n$ tokens. Qwen3-MoE and Mixtral both turn the scores into
 # probabilities with a softmax over the $E$ experts, keep each token's $k$ largest, and weigh
 # each chosen expert's output by its probability. Mixtral, and Qwen3-MoE where its config sets
 # `norm_topk_prob`, **renormalize** the $k$ kept probabilities to sum to 1; without it a token's
@@ -201,8 +203,8 @@ print("without renormalization the two weights sum to", round(w.sum().item(), 4)
 #
 # Each expert is a SwiGLU MLP. Hugging Face checkpoints store every expert's three matrices
 # separately (`mlp.experts.{e}.gate_proj.weight`, Mixtral: `block_sparse_moe.experts.{e}.w1`);
-# the package stacks them at load time into `w13` $[E, 2I, H]$ (each expert's gate rows, then
-# its up rows) and `w2` $[E, H, I]$ (`nanovllm/layers/fused_moe.py`,
+# the package stacks them at load time into `w13` $[E, 2D_e, D]$ (each expert's gate rows, then
+# its up rows) and `w2` $[E, D, D_e]$ (`nanovllm/layers/fused_moe.py`,
 # `StackedExpertWeight.weight_loader`; `MoeForCausalLM` maps the names). The simplest layer
 # loops over the experts: gather the tokens routed to expert $e$, run its MLP, add the
 # weighted result back to those tokens.
@@ -307,8 +309,8 @@ for arch, (hf, path) in tiny.items():
 # - **Launches.** Per layer and expert the loop gathers, multiplies twice, applies the
 #   activation, scales and scatters: about eight kernels. Qwen3-30B-A3B has 48 layers of 128
 #   experts; a decode step of 256 tokens touches nearly all of them.
-# - **Tiny GEMMs.** A batch of $T$ tokens makes $Tk$ assignments spread over $E$ experts:
-#   $Tk/E$ rows per expert on average. A GPU GEMM needs rows by the hundred to use its
+# - **Tiny GEMMs.** A batch of $n$ tokens makes $nk$ assignments spread over $E$ experts:
+#   $nk/E$ rows per expert on average. A GPU GEMM needs rows by the hundred to use its
 #   tensor cores; at decode sizes each expert gets a handful.
 # - **Imbalance.** The router does not spread tokens evenly, and the slowest expert sets the
 #   pace of a loop or of a kernel that gives each expert its own work.
@@ -375,13 +377,14 @@ else:
 # %% [markdown]
 # ## 5. Sort, align, and one grouped GEMM
 #
-# The fix is vLLM's `fused_moe`. Write the $N = Tk$ assignments as *slots*
-# $s = t\cdot k + j$ (token $t$'s $j$-th expert). Sort the slots by expert, and pad each
-# expert's group to a multiple of a block size $B$ with a sentinel ($N$). Now every block of
-# $B$ consecutive entries belongs to one expert, so a single kernel launch can give each
-# program one block: it gathers its $B$ tokens' hidden rows, multiplies them by its expert's
-# weights, and writes each row back to its slot. All experts, one launch, and each program's
-# GEMM is $B$ rows tall whatever the routing. The padding is the price. Built small:
+# The fix is vLLM's `fused_moe`. Number the $nk$ assignments as *slots*
+# $s = i\cdot k + j$ (token $i$'s $j$-th expert). Sort the slots by expert, and pad each
+# expert's group to a multiple of the kernel's tile height $B_M$ with a sentinel ($nk$). Now
+# every block of $B_M$ consecutive entries belongs to one expert, so a single kernel launch can
+# give each program one block: it gathers its $B_M$ tokens' hidden rows, multiplies them by
+# its expert's weights, and writes each row back to its slot. All experts, one launch, and
+# each program's GEMM is $B_M$ rows tall whatever the routing. The padding is the price.
+# Built small:
 
 # %%
 def align_small(topk_ids: torch.Tensor, num_experts: int, block: int):
@@ -496,9 +499,9 @@ for case in [(9, 8, 2, 32, 16), (30, 4, 3, 48, 24)]:
 print("grouped_gemm_small equals moe_reference on 2 random layers")
 
 # %% [markdown]
-# How much the padding costs depends on the rows per expert. With $B = 16$ and Qwen3-30B-A3B's
+# How much the padding costs depends on the rows per expert. With $B_M = 16$ and Qwen3-30B-A3B's
 # 128 experts, $k = 8$: at batch 1 each touched expert holds one real row in a block of 16;
-# by batch 256 (16 rows per expert on average) most blocks are full. The kernel picks $B$ from
+# by batch 256 (16 rows per expert on average) most blocks are full. The kernel picks $B_M$ from
 # the mean rows per expert (`pick_block_m`: 16 up to 16 rows, 32 up to 48, then 64).
 
 # %%
@@ -544,8 +547,8 @@ for case in [(7, 8, 2, 64, 32), (20, 4, 2, 64, 48)]:
           f"{gap < 1e-5}")
 
 # %% [markdown]
-# Its speed on the H200, on one layer of Qwen3-30B-A3B's shape (bf16), against the per-expert
-# loop and torch's own grouped GEMM (`torch.nn.functional.grouped_mm` over the sorted tokens;
+# Its speed on the H200 (Figure 16.3), on one layer of Qwen3-30B-A3B's shape (bf16), against
+# the per-expert loop and torch's own grouped GEMM (`torch.nn.functional.grouped_mm` over the sorted tokens;
 # `moe_grouped_mm` in `nanovllm/benchmarks/moe.py`). At small batches a layer reads the
 # touched experts' weights: bandwidth is its roof; at large ones it becomes a GEMM.
 
@@ -555,6 +558,8 @@ layer_rec = record("moe_layer_h200.json")
 if layer_rec is None:
     print("no H200 record yet (tests/gpu/moe_h200.sh); measured here instead, on a tiny layer")
     rows = moe_bench.layer_benchmark(16, 2, 64, 32, [1, 16, 64], torch.float32, DEVICE, reps=3)
+    if DEVICE == "cpu":  # the interpreter's time says nothing about the kernel's
+        rows = [r for r in rows if r["method"] != "fused"]
     source = f"{DEVICE}, tiny layer (16 experts, hidden 64)"
 else:
     rows = layer_rec["rows"]
@@ -579,7 +584,7 @@ for r in rows:
 # The whole engine on that shape (random bf16 weights, the nano-vllm workload: 256 requests,
 # chapter 11) and its bandwidth bound. A dense model's decode step reads all its weights; a
 # MoE step reads the dense part and, per layer, only the experts its batch touches:
-# $E\,(1 - (1 - k/E)^b)$ of them for a batch of $b$ under even routing. At $b = 256$ that is
+# $E\,(1 - (1 - k/E)^B)$ of them for a batch of $B$ under even routing. At $B = 256$ that is
 # all 128; as requests finish and the batch drains it falls toward $k$.
 # `nanovllm/benchmarks/moe.py` sums that over the workload's steps (`moe_bound_bytes`).
 
@@ -620,16 +625,16 @@ for name in ("qwen3-8b", "qwen3-32b", "qwen3-30b-a3b"):
           f"KV {kv // 1024:3d} KiB/token -> {free_bytes / kv / 1e6:5.2f}M tokens of cache")
 
 # %% [markdown]
-# Qwen3-30B-A3B leaves more room for the cache than Qwen3-32B, and its KV cache per token is
-# smaller (4 KV heads against 8), so it holds several times as many tokens; but it is no
-# smaller in memory than a dense 30B model, and its decode steps at large batch read nearly
-# all of it (section 6).
+# Qwen3-30B-A3B leaves a little more room for the cache than Qwen3-32B, and its KV cache per
+# token is smaller (4 KV heads against 8), so it holds several times as many tokens (the last
+# column); but it is no smaller in memory than a dense model of as many parameters, and its
+# decode steps at large batch read nearly all of it (section 6).
 
 # %% [markdown]
 # ## 8. Tensor parallelism for experts
 #
 # nanovllm splits each expert the way chapter 09 splits a dense MLP: rank $r$ of $N$ holds
-# rows $r I/N .. (r+1) I/N$ of every expert's gate and up projections and the same columns of
+# rows $r D_e/N .. (r+1) D_e/N$ of every expert's gate and up projections and the same columns of
 # its down projection. Each rank runs the whole router and all the experts on its slice; the
 # partial outputs add up, as after a row-parallel layer, in one all-reduce per layer. Every
 # rank's GEMMs shrink by $N$, the routing is computed everywhere (it is tiny), and the load
@@ -760,7 +765,7 @@ print(f"Exercise 3 passed: {total / 1e9:.1f}B total, {active / 1e9:.1f}B active"
 #   tokens equal `transformers'` (section 3 checks both architectures, logits and engine).
 # - Running experts **one at a time** costs launches, leaves each expert a tiny GEMM, and
 #   waits on the busiest expert: the load per expert is uneven (Figure 16.1).
-# - **Sort and align**: order the $Tk$ assignments by expert and pad each group to whole
+# - **Sort and align**: order the $nk$ assignments by expert and pad each group to whole
 #   blocks (`moe_align_block_size`, fixed-size outputs, no host sync: CUDA graphs keep
 #   working); then one **grouped GEMM** launch gives every block to its expert, with the
 #   activation fused into the gate/up launch and the router weights into the down launch.

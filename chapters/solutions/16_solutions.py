@@ -9,8 +9,9 @@
 # %% [markdown]
 # # Chapter 16: worked solutions of the exercises (instructor only)
 #
-# One cell per exercise of `chapters/16_mixture_of_experts.py`: the chapter's cell with its solution between
-# `# BEGIN SOLUTION` and `# END SOLUTION` (the chapter has the stub there). Never shipped:
+# One cell per exercise of `chapters/16_mixture_of_experts.py`: the chapter's cell with its
+# solution between `# BEGIN SOLUTION` and `# END SOLUTION` (the chapter has the stub there).
+# Never shipped:
 # editions and the book leave `chapters/solutions/` out; `tests/test_exercises.py` runs each
 # cell against the chapter's check cell.
 
