@@ -62,7 +62,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
 
 import json
-import math
 import tempfile
 import time
 from pathlib import Path
@@ -548,9 +547,9 @@ for case in [(7, 8, 2, 64, 32), (20, 4, 2, 64, 48)]:
 
 # %% [markdown]
 # Its speed on the H200 (Figure 16.3), on one layer of Qwen3-30B-A3B's shape (bf16), against
-# the per-expert loop and torch's own grouped GEMM (`torch.nn.functional.grouped_mm` over the sorted tokens;
-# `moe_grouped_mm` in `nanovllm/benchmarks/moe.py`). At small batches a layer reads the
-# touched experts' weights: bandwidth is its roof; at large ones it becomes a GEMM.
+# the per-expert loop and torch's own grouped GEMM (`torch.nn.functional.grouped_mm` over the
+# sorted tokens; `moe_grouped_mm` in `nanovllm/benchmarks/moe.py`). At small batches a layer
+# reads the touched experts' weights: bandwidth is its roof; at large ones it becomes a GEMM.
 
 # %%
 # NBVAL_IGNORE_OUTPUT

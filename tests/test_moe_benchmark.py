@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from course_ids import ENGINE
 
 from nanovllm.benchmarks import moe
 from nanovllm.benchmarks.workload import Workload
@@ -28,6 +29,7 @@ def tiny_folder(tmp_path):
     return tmp_path
 
 
+@pytest.mark.assignment("16.route", "16.align")  # routed inputs; the fused kernel aligns
 def test_layer_section_at_tiny_sizes(tiny_folder, tmp_path):
     out = tmp_path / "layer.json"
     record = moe.main(["layer", "--model", str(tiny_folder), "--device", "cpu",
@@ -42,6 +44,7 @@ def test_layer_section_at_tiny_sizes(tiny_folder, tmp_path):
         assert 1 <= row["experts_touched"] <= min(8, 2 * row["tokens"])
 
 
+@pytest.mark.assignment(*ENGINE, "16.route")
 def test_workload_section_with_the_peer(tiny_folder, monkeypatch):
     from nanovllm.benchmarks import workload
 
@@ -66,6 +69,7 @@ def test_bound_reads_all_experts_only_for_large_batches(tiny_folder):
     assert w256 == pytest.approx(4 * (1000 + 8 * 10))  # every expert
 
 
+@pytest.mark.assignment("16.route")
 def test_grouped_mm_path_matches_the_loop():
     if moe.GROUPED_MM is None:
         pytest.skip("this torch has no grouped_mm")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from course_ids import ENGINE
 from test_moe_models import VARIANTS, hf_greedy, tiny_moe_model
 
 from nanovllm import LLM, SamplingParams
@@ -19,6 +20,7 @@ from nanovllm.layers.router import route
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.assignment(*ENGINE, "16.route", "16.align"),
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 

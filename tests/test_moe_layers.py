@@ -134,6 +134,7 @@ def dense_moe(x, w13, w2, weights, ids):
     return (picked * weights.double()[:, :, None]).sum(1)
 
 
+@ROUTE
 @pytest.mark.parametrize("tokens,experts,k", [(1, 4, 2), (19, 8, 2), (30, 16, 4), (0, 4, 1)])
 def test_reference_moe_matches_dense_computation(tokens, experts, k):
     gen = torch.Generator().manual_seed(tokens + experts)

@@ -19,12 +19,15 @@ import os
 
 import pytest
 import torch
+from course_ids import MODEL
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
-pytestmark = pytest.mark.skipif(
-    not (CUDA or os.environ.get("TRITON_INTERPRET") == "1"), reason="no GPU and no interpreter"
-)
+pytestmark = [
+    pytest.mark.skipif(not (CUDA or os.environ.get("TRITON_INTERPRET") == "1"),
+                       reason="no GPU and no interpreter"),
+    pytest.mark.assignment("16.route", "16.align"),  # the inputs are routed, the kernel aligns
+]
 
 from nanovllm.kernels.fused_moe import fused_moe, pick_block_m  # noqa: E402
 from nanovllm.layers.fused_moe import moe_reference  # noqa: E402
@@ -86,6 +89,7 @@ def test_block_m_follows_assignments_per_expert():
     assert pick_block_m(4096, 128) == 32 and pick_block_m(8192 * 8, 128) == 64
 
 
+@pytest.mark.assignment(*MODEL)
 def test_model_with_fused_moe_matches_transformers(tmp_path):
     from test_moe_models import tiny_moe_model
 
