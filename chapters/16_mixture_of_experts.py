@@ -35,7 +35,7 @@
 # 7. works out memory: total against active parameters, and what is left for the KV cache;
 # 8. splits the experts for tensor parallelism.
 #
-# Package modules taught here: `nanovllm/layers/router.py`, `nanovllm/layers/moe_align.py`,
+# Package modules taught here: `nanovllm/layers/router.py`, `nanovllm/kernels/moe_align.py`,
 # `nanovllm/layers/fused_moe.py` (stacked expert weights and the per-expert reference),
 # `nanovllm/kernels/fused_moe.py` (the Triton kernel), `nanovllm/models/moe.py`,
 # `nanovllm/models/qwen3_moe.py`, `nanovllm/models/mixtral.py`,
@@ -75,7 +75,8 @@ from nanovllm.configs import config_path
 from nanovllm.context import attention_metadata
 from nanovllm.kernels.fused_moe import fused_moe
 from nanovllm.layers import fused_moe as fused_moe_layer
-from nanovllm.layers import moe_align, router
+from nanovllm.kernels import moe_align
+from nanovllm.layers import router
 from nanovllm.layers.fused_moe import moe_reference
 from nanovllm.models import ModelConfig, get_model_class
 from nanovllm.viz import BOOK_COLORS, figure, figures_dir, show_source, use_book_style
@@ -404,7 +405,7 @@ print("slots by expert, padded:", sorted_ids)
 print("expert of each block:   ", expert_ids)
 
 # %% [markdown]
-# The package's `moe_align_block_size` (`nanovllm/layers/moe_align.py`) computes the same
+# The package's `moe_align_block_size` (`nanovllm/kernels/moe_align.py`) computes the same
 # with tensor operations on **fixed-size** outputs: a GPU must not wait to learn how many
 # blocks there are (that would be a host sync, and a CUDA graph cannot even contain one,
 # chapter 07). So the buffers are sized for the worst case, `aligned_capacity`, and a third
@@ -671,7 +672,7 @@ print(f"chapter run time so far: {time.perf_counter() - chapter_start:.0f} s")
 # - `route` in `nanovllm/layers/router.py` (section 2): softmax, top-$k$, renormalization.
 #   Graded by unit tests against a float64 reference and by Qwen3-MoE and Mixtral parity with
 #   `transformers` (logits and engine greedy tokens, with and without `norm_topk_prob`).
-# - `moe_align_block_size` in `nanovllm/layers/moe_align.py` (section 5): the sorted, padded
+# - `moe_align_block_size` in `nanovllm/kernels/moe_align.py` (section 5): the sorted, padded
 #   slots and the expert of each block, with fixed output shapes. Graded exactly against a
 #   plain-Python grouping on random and skewed routings.
 

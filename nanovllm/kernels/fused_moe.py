@@ -4,7 +4,7 @@ A MoE layer with ``E`` experts is ``E`` small MLPs, each over the few tokens rou
 one at a time (``layers/fused_moe.py``'s reference) that is ``3E`` tiny GEMMs and launches per
 layer. Here the whole layer is two launches of one grouped GEMM:
 
-1. ``moe_align_block_size`` (``layers/moe_align.py``) sorts the ``T * k`` token->expert
+1. ``moe_align_block_size`` (``kernels/moe_align.py``) sorts the ``T * k`` token->expert
    assignments by expert and pads every expert's group to whole blocks of ``BLOCK_M`` rows, so
    each block belongs to one expert.
 2. Gate/up: each program takes one block of assignments and one tile of ``BLOCK_N`` output
@@ -26,7 +26,7 @@ import triton  # nanovllm/kernels/__init__.py explains a missing triton
 import triton.language as tl
 
 from nanovllm.kernels import check_launchable, interpreted_bf16, round_to
-from nanovllm.layers.moe_align import moe_align_block_size
+from nanovllm.kernels.moe_align import moe_align_block_size
 
 __all__ = ["fused_moe", "pick_block_m"]
 

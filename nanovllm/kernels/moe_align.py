@@ -6,7 +6,9 @@ expert's weights only. This is the bookkeeping that makes it so, vLLM's
 ``moe_align_block_size``: order the ``T * top_k`` (token, expert) assignments by expert, and
 pad every expert's group up to a multiple of the block size with a sentinel that the kernel
 skips. Written with tensor operations only, on fixed-size outputs (no ``.item()``, no shape that
-depends on the routing), so it runs on the GPU inside a CUDA graph.
+depends on the routing), so it runs on the GPU inside a CUDA graph. Plain PyTorch (vLLM has it
+as a CUDA op), kept beside the kernel it feeds; importing it needs ``triton`` like every module
+under ``nanovllm/kernels``.
 """
 
 from __future__ import annotations
