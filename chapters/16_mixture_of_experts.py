@@ -73,9 +73,9 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.benchmarks import moe as moe_bench
 from nanovllm.configs import config_path
 from nanovllm.context import attention_metadata
+from nanovllm.kernels import moe_align
 from nanovllm.kernels.fused_moe import fused_moe
 from nanovllm.layers import fused_moe as fused_moe_layer
-from nanovllm.kernels import moe_align
 from nanovllm.layers import router
 from nanovllm.layers.fused_moe import moe_reference
 from nanovllm.models import ModelConfig, get_model_class

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from nanovllm.distributed import _state
-from nanovllm.layers.fused_moe import StackedExpertWeight, moe_reference
 from nanovllm.kernels.moe_align import aligned_capacity, moe_align_block_size
+from nanovllm.layers.fused_moe import StackedExpertWeight, moe_reference
 from nanovllm.layers.router import route
 
 ROUTE = pytest.mark.assignment("16.route")
