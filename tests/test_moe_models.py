@@ -72,6 +72,25 @@ def test_registered_and_configured(tmp_path):
     assert layers[1].mlp.gate_up_proj.weight.shape == (192, 64)  # the dense layer
 
 
+@pytest.mark.assignment(*MODEL, *ROUTE)
+@pytest.mark.parametrize("variant", ["qwen3moe", "mixtral"])
+def test_transformers_in_memory_layout_loads_too(variant, tmp_path):
+    """Fused experts (``experts.gate_up_proj`` [E, 2I, H]), as transformers 5 holds them."""
+    from safetensors.torch import save_file
+
+    hf = tiny_moe_model(variant, tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items()},
+              tmp_path / "model.safetensors")
+    cfg = ModelConfig.from_pretrained(tmp_path)
+    ours = get_model_class(cfg.architecture)(cfg)
+    load_safetensors(ours, tmp_path)
+    ids = torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), attention_metadata(None):
+        logits = ours.compute_logits(ours(ids, torch.arange(9)))
+        assert (logits - hf(ids[None]).logits[0]).abs().max() <= 1e-4
+
+
 def test_dense_only_config_is_refused_as_moe():
     cfg = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 8, "hidden_size": 8,
            "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,

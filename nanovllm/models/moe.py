@@ -9,6 +9,8 @@ after a dense MLP's row-parallel down projection. ``MoeForCausalLM`` builds thos
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -50,6 +52,26 @@ class MoeForCausalLM(LlamaForCausalLM):
         super().__init__(cfg)
         self.packed_modules_mapping = {**self._expert_mapping(cfg.moe.num_experts),
                                        **LlamaForCausalLM.packed_modules_mapping}
+
+    def split_fused_tensor(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """Checkpoints in transformers 5's own layout (``...mlp.experts.gate_up_proj``
+        ``[E, 2I, H]``, ``...mlp.experts.down_proj`` ``[E, H, I]``, Mixtral's router as
+        ``...mlp.gate``) back into the per-expert names of the Hub's checkpoints, which the
+        loader then stacks like any other (``weights/loader.py``)."""
+        block = self.checkpoint_block
+        fused = re.fullmatch(r"(.*)\.(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)",
+                             name)
+        if fused is None:
+            if block != "mlp" and name.endswith(".mlp.gate.weight"):
+                return [(name.replace(".mlp.gate.", f".{block}.gate."), tensor)]
+            return [(name, tensor)]
+        prefix, kind = fused.groups()
+        gate, up, down = self.expert_tensors
+        pieces = []
+        for e, expert in enumerate(tensor):
+            parts = zip((gate, up), expert.chunk(2)) if kind == "gate_up_proj" else [(down, expert)]
+            pieces += [(f"{prefix}.{block}.experts.{e}.{part}.weight", t) for part, t in parts]
+        return pieces
 
     def make_mlp(self, layer: int) -> nn.Module | None:
         return SparseMoeBlock(self.config) if self.config.moe.sparse_layers[layer] else None
