@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from nanovllm.layers.rotary import SCALING_TYPES, scaling_type
+from nanovllm.models.moe_config import MoeConfig, read_moe_config
 from nanovllm.validation import Rule, is_bool, is_finite, is_int, is_positive_int
 
 REQUIRED = ("architectures", "vocab_size", "hidden_size", "intermediate_size",
@@ -164,6 +165,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     qkv_bias: bool | None = None  # None: as attention_bias (Qwen2 has it without o_proj's)
     sliding_window: int | None = None  # each query sees its last `sliding_window` keys
+    moe: MoeConfig | None = None  # the experts of a mixture-of-experts model (chapter 16)
 
     def __post_init__(self) -> None:
         if self.qkv_bias is None:
@@ -193,6 +195,7 @@ class ModelConfig:
             attention_bias=bool(cfg.get("attention_bias", False)),
             eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
             sliding_window=_sliding_window(cfg, source),
+            moe=read_moe_config(cfg, source),
         )
 
     @classmethod

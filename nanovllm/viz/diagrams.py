@@ -116,7 +116,7 @@ COMPONENTS: list[tuple[str, float, float, float, float, tuple[int, ...]]] = [
     ("block manager,\nprefix cache", 6.7, 2.3, 1.9, 0.9, (4, 13)),
     ("tensor-parallel\nworkers", 8.9, 2.3, 1.9, 0.9, (9,)),
     ("model runner,\nCUDA graphs", 0.1, 0.9, 1.9, 0.9, (4, 7, 11)),
-    ("model layers,\nRoPE, new models", 2.3, 0.9, 1.9, 0.9, (1, 12)),
+    ("model layers,\nRoPE, new models", 2.3, 0.9, 1.9, 0.9, (1, 12, 16)),
     ("quantized\nlinears", 4.5, 0.9, 1.9, 0.9, (8,)),
     ("attention\nkernels", 6.7, 0.9, 1.9, 0.9, (2, 5, 12)),
     ("KV cache", 8.9, 0.9, 1.9, 0.9, (3, 4, 8)),
@@ -128,6 +128,7 @@ ROADMAP_TITLES = {
     6: "the scheduler", 7: "CUDA graphs", 8: "quantization", 9: "tensor parallelism",
     10: "serving", 11: "performance", 12: "long context and new models",
     13: "troubleshooting: the invariants of the bookkeeping",
+    16: "mixture of experts",
 }
 
 
