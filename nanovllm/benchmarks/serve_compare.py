@@ -1,6 +1,6 @@
 """The server against its own engine: offline ``LLM.generate`` and ``nanovllm serve`` with the
 engine core on a thread or in a process of its own, on the same requests, in one sitting
-(chapter 10 §6).
+(chapter 10 §8).
 
     python -m nanovllm.benchmarks.serve_compare nanovllm/configs/qwen3-0.6b \\
         --option load_format=dummy --option gpu_memory_utilization=0.45 \\

@@ -12,7 +12,7 @@ per-request streams (chapter 10; the scheduling it relies on is chapter 06).
 
 One *engine thread* owns the ``LLMEngine`` (chapter 10 §1) -- or an ``EngineCoreClient``,
 whose ``step()`` collects what an engine core in its own process has computed
-(``core_client.py``, chapter 10 §6): it applies the commands in the
+(``core_client.py``, chapter 10 §8): it applies the commands in the
 inbox (add, abort), runs ``step()`` while there is work, hands each request's deltas to its
 stream, and sleeps on a condition variable otherwise. Producers (any thread) call ``submit``,
 which validates in the caller's thread (``ValueError`` raises there) and claims the request

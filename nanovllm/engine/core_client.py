@@ -1,4 +1,4 @@
-"""The front end's handle on an engine core in another process (chapter 10 §6; vLLM v1's
+"""The front end's handle on an engine core in another process (chapter 10 §8; vLLM v1's
 ``EngineCoreClient``).
 
 ``EngineCoreClient(config)`` starts ``core_proc.py``'s loop in a child process and then

@@ -1,5 +1,5 @@
 """The engine core in its own process: a loop that steps the engine without waiting for
-the front end (chapter 10 §6; vLLM v1's ``EngineCoreProc``).
+the front end (chapter 10 §8; vLLM v1's ``EngineCoreProc``).
 
 In one process, the engine's step loop and the server's event loop take turns on one GIL: at
 a high request rate, HTTP parsing, JSON and server-sent events delay every step. Here the

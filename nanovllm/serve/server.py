@@ -11,7 +11,7 @@ gets a complete response. Then uvicorn closes the socket and the process exits w
 (its core process killed, a failed step), every open request has ended with an error, and
 the server stops and exits with status 1, so that a supervisor restarts it.
 
-By default the engine core runs in a process of its own (``engine_process``, chapter 10 §6),
+By default the engine core runs in a process of its own (``engine_process``, chapter 10 §8),
 so that HTTP, JSON and detokenizing never hold up a step.
 
 ``ServerThread(app)`` runs an app on 127.0.0.1 on a free port in a background thread: for
