@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from nanovllm.structured_output.params import StructuredOutputsParams
 from nanovllm.validation import (
     Rule,
     check_fields,
@@ -27,7 +28,6 @@ from nanovllm.validation import (
     is_seed,
     optional,
 )
-from nanovllm.structured_output.params import StructuredOutputsParams
 
 # Below this a temperature is treated as 0, i.e. greedy (vLLM's _SAMPLING_EPS): dividing
 # logits by, say, 1e-38 overflows to inf and the softmax turns into NaN.

@@ -15,14 +15,20 @@ while the device computes the step.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence as SequenceOf
+from collections.abc import Callable
+from collections.abc import Sequence as SequenceOf
+from typing import Any, Protocol
 
 import torch
 
-from nanovllm.engine.sequence import Sequence
-
 NEG_INF = float("-inf")
 BITS = 32  # tokens per int32 word of a packed bitmask
+
+
+class Constrainable(Protocol):
+    """What the masks read of a sequence (``engine.sequence.Sequence``): its matcher, or None."""
+
+    grammar: Any
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -59,7 +65,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
     # <<< assignment 15.apply_mask
 
 
-def fill_bitmask(seqs: SequenceOf[Sequence], vocab_size: int
+def fill_bitmask(seqs: SequenceOf[Constrainable], vocab_size: int
                  ) -> tuple[list[int], torch.Tensor] | None:
     """On the host: the rows of ``seqs`` that carry a matcher, and their next-token masks
     ``[len(rows), bitmask_words(vocab_size)]`` int32; None when no row is constrained (the
@@ -73,7 +79,7 @@ def fill_bitmask(seqs: SequenceOf[Sequence], vocab_size: int
     return rows, bitmask
 
 
-def apply_grammar_masks(logits: torch.Tensor, seqs: SequenceOf[Sequence],
+def apply_grammar_masks(logits: torch.Tensor, seqs: SequenceOf[Constrainable],
                         to_device: Callable[[object, torch.dtype], torch.Tensor]) -> None:
     """Mask, in place, the rows of ``logits`` [B, V] (row i samples ``seqs[i]``) whose sequence
     is constrained; ``to_device`` copies host values to the logits' device without waiting."""

@@ -24,7 +24,7 @@ class StructuredOutputsParams:
     ``json``: a JSON schema, as a dict or a JSON string; ``regex``: a pattern the whole output
     matches; ``choice``: a non-empty list of strings, the output is one of them; ``grammar``: an
     EBNF grammar (xgrammar's dialect, ``root ::= ...``); ``json_object``: any JSON object.
-    ``disable_any_whitespace``: JSON without free whitespace between tokens (compact output,
+    ``disable_any_whitespace``: JSON on one line, ``{"a": 1, "b": 2}`` (xgrammar's layout,
     and a small model cannot wander off into blank lines).
     """
 
