@@ -11,6 +11,7 @@ from nanovllm.config import EngineConfig
 from nanovllm.llm import LLM
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.structured_output import StructuredOutputsParams
 
 
 def smollm2_path(dtype: str = "float32"):
@@ -23,6 +24,7 @@ def smollm2_path(dtype: str = "float32"):
 __all__ = [
     "LLM",
     "SamplingParams",
+    "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",
     "EngineConfig",

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from nanovllm.structured_output.params import StructuredOutputsParams
 from nanovllm.validation import (
     Rule,
     check_fields,
@@ -105,6 +106,8 @@ _RULES: tuple[Rule, ...] = (
     ("deadline", _seconds, "None or seconds > 0 (inf allowed)"),
     ("user", is_optional_str, "None or a string"),
     ("request_class", is_optional_str, "None or a string"),
+    ("structured_outputs", optional(lambda x: isinstance(x, StructuredOutputsParams)),
+     "None or a StructuredOutputsParams"),
 )
 
 
@@ -132,6 +135,10 @@ class SamplingParams:
     ``min_tokens``, before which EOS, stop token ids and stop strings do not end the
     request; ``logit_bias`` ({token id: bias}, clamped to +-100), ``allowed_token_ids`` and
     ``bad_words`` (never generated, as spelled or after a space).
+
+    ``structured_outputs`` constrains the output to a JSON schema, a regex, a choice or a
+    grammar (``StructuredOutputsParams``, chapter 15): every token is sampled from those the
+    constraint allows, and the request ends with "stop" when the constraint is complete.
 
     The last three fields only steer scheduling (``nanovllm.engine.policies``, chapter 06):
     ``deadline`` for ``"priority"``, ``user`` for ``"fair"`` and ``request_class`` for
@@ -164,6 +171,7 @@ class SamplingParams:
     deadline: float | None = None  # latency target, seconds after arrival (chapter 06)
     user: str | None = None  # tenant, for scheduler_policy="fair"
     request_class: str | None = None  # e.g. "interactive" / "batch", for "mixed"
+    structured_outputs: StructuredOutputsParams | None = None  # chapter 15
 
     def __post_init__(self) -> None:
         # One id or string stands for a list of one; copies, so the caller's list can change.

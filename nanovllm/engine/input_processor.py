@@ -17,6 +17,7 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.inputs import parse_prompt
 from nanovllm.models import ModelConfig
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.structured_output.backend_xgrammar import GrammarBackend, GrammarState
 from nanovllm.tokenizer import Tokenizer
 from nanovllm.validation import is_int
 
@@ -28,6 +29,8 @@ class InputProcessor:
         self.eos_token_ids = eos_token_ids
         self.kv_capacity = kv_capacity  # tokens the whole KV cache holds
         self.request_ids = RequestIds()  # the engine's one id allocator
+        self._grammars: GrammarBackend | None = None  # made on the first constrained request
+        self._grammars_lock = threading.Lock()
 
     def tokenize(self, prompt: object) -> tuple[str | None, list[int]]:
         """A prompt in any of the shapes of ``nanovllm.inputs`` -> (its text, its ids)."""
@@ -71,9 +74,25 @@ class InputProcessor:
             raise ValueError(f"a request of up to {longest} tokens exceeds "
                              f"max_num_batched_tokens ({budget}) and chunked prefill is off; "
                              "enable it or raise the budget")
+        grammar = self.grammar_state(params)
         seq = Sequence(token_ids, params, request_id, text, int(priority))
-        seq.bad_word_ids = bad_word_ids
+        seq.bad_word_ids, seq.grammar = bad_word_ids, grammar
         return seq
+
+    def grammar_state(self, params: SamplingParams) -> GrammarState | None:
+        """A fresh matcher for a request with ``structured_outputs`` (chapter 15), else None.
+        Its constraint compiles here (cached): one that does not is a ``ValueError`` now."""
+        if params.structured_outputs is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs needs a tokenizer; this model folder has none")
+        with self._grammars_lock:
+            if self._grammars is None:
+                with self.tokenizer._lock:  # xgrammar reads the vocabulary of the shared one
+                    self._grammars = GrammarBackend(self.tokenizer.hf,
+                                                    self.model_config.vocab_size,
+                                                    self.eos_token_ids)
+        return self._grammars.new_state(params.structured_outputs)
 
     def _check_token_settings(self, params: SamplingParams) -> list[list[int]]:
         """Check the token ids ``params`` name against this model; return its bad words as
@@ -118,6 +137,7 @@ class InputProcessor:
                            first.priority)
             seq.parent_id, seq.index = first.request_id, i
             seq.has_user_request_id = first.has_user_request_id
+            seq.grammar = self.grammar_state(child)  # each sample walks its own automaton
             samples.append(seq)
         return samples
 

@@ -147,11 +147,16 @@ class LLMEngine:
         tokens or ended. With ``async_scheduling`` a step's tokens arrive one call later: this
         call queues step n, then reads step n-1's tokens while the GPU computes. Until then step
         n's sequences hold a placeholder (never reported); the GPU feeds the real token to step
-        n+1 directly."""
+        n+1 directly.
+
+        A step with a constrained request (chapter 15) ends synchronously: its next mask
+        needs this step's token on the host, so the step just launched lands now as well."""
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule(start)
         model_output = self._execute(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        if self._in_flight is not None and _constrained(scheduler_output):
+            outputs += self.scheduler.update_from_output(SchedulerOutput(), self._land())
         if scheduler_output.seqs:
             self._record_step(scheduler_output, start)
         return outputs
@@ -164,10 +169,15 @@ class LLMEngine:
         previous = self._in_flight
         self._in_flight = (scheduler_output, launched) if launched is not None else None
         if not self.config.async_scheduling:
-            previous, self._in_flight = self._in_flight, None
-        if previous is None:
-            return None
-        step, in_flight = previous
+            return self._land()
+        return None if previous is None else self._collect(*previous)
+
+    def _land(self) -> ModelRunnerOutput | None:
+        """Wait for the step in flight and take its tokens (None if there is none)."""
+        previous, self._in_flight = self._in_flight, None
+        return None if previous is None else self._collect(*previous)
+
+    def _collect(self, step: SchedulerOutput, in_flight: InFlight) -> ModelRunnerOutput:
         return ModelRunnerOutput(step, self.runner.collect(in_flight), in_flight)
 
     def _launch(self, scheduler_output: SchedulerOutput) -> InFlight | None:
@@ -200,3 +210,7 @@ class LLMEngine:
         blocks if the KV bookkeeping is inconsistent (``engine/invariants.py``)."""
         check_invariants(self)
 
+
+def _constrained(step: SchedulerOutput) -> bool:
+    """Whether a sequence of ``step`` has a structured-output matcher (chapter 15)."""
+    return any(seq.grammar is not None for seq in step.seqs)

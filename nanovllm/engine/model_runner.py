@@ -42,6 +42,7 @@ from nanovllm.layers.quantization.fp8_checkpoint import read_checkpoint_quantiza
 from nanovllm.layers.quantization.kv_cache import kv_cache_dtype
 from nanovllm.layers.sampler import Sampler, compute_logprobs
 from nanovllm.models import ModelConfig, get_model_class
+from nanovllm.structured_output.masks import apply_grammar_masks
 from nanovllm.weights.loader import load_dummy, load_safetensors
 
 PROMPT_LOGPROB_ROWS = 512  # prompt positions scored at once: bounds the [rows, vocab] logits
@@ -308,7 +309,10 @@ class ModelRunner:
     def _sample(self, logits, seqs, sampling, processing) -> tuple[torch.Tensor, list]:
         """Tokens for the sampled rows, and their logprobs where a request asked for them:
         from the raw distribution (vLLM's default) or, with ``logprobs_mode=
-        "processed_logprobs"``, after penalties, bias, masks and temperature."""
+        "processed_logprobs"``, after penalties, bias, masks and temperature. Rows of
+        constrained requests are masked first (chapter 15; the host fills the masks while the
+        device runs the forward pass), so as in vLLM both see only the allowed tokens."""
+        apply_grammar_masks(logits, seqs, self._to_device)
         k = max((s.params.logprobs for s in seqs if s.params.logprobs is not None), default=None)
         raw = logits.clone() if k is not None and processing is not None else logits
         if processing is not None:

@@ -314,7 +314,11 @@ class Scheduler:
             metrics.first_token_time = now
         metrics.last_token_time = now
         metrics.num_output_tokens += 1
+        if seq.grammar is not None:  # its constraint's matcher follows every token (ch. 15)
+            seq.grammar.accept(token)
         stop = self.stop_checker.check(seq, token, length)
+        if stop is None and seq.grammar is not None and seq.grammar.is_terminated:
+            stop = "stop", None  # the constraint is complete
         if stop is None:
             return EngineCoreOutput(seq.parent_id, [token], index=seq.index)
         return self._finish(seq, *stop, new_token_ids=[token])  # (drops a placeholder after it)

@@ -12,6 +12,7 @@ from nanovllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from nanovllm.detokenizer import IncrementalDetokenizer
+    from nanovllm.structured_output.backend_xgrammar import GrammarState
 
 # Stands for a sampled token that has not reached the host yet (async scheduling, chapter 11).
 PLACEHOLDER = -1
@@ -60,6 +61,8 @@ class Sequence:
         self.finish_reason: str | None = None
         # Text so far, kept only for requests with stop strings (the engine's stop check).
         self.detokenizer: IncrementalDetokenizer | None = None
+        # SamplingParams.structured_outputs' matcher (chapter 15); the scheduler advances it
+        self.grammar: GrammarState | None = None
         self.user = params.user  # tenant, for fair scheduling
         self.request_class = params.request_class  # for the "mixed" policy
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
