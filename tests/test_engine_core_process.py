@@ -70,6 +70,20 @@ def test_abort_frees_blocks_and_reports_the_tokens_before_it(tiny):
             engine.submit("", SamplingParams())
 
 
+def test_structured_output_across_the_process_boundary(tiny):
+    from nanovllm import StructuredOutputsParams
+
+    choices = ["tea", "river", "stone"]
+    constrained = SamplingParams(temperature=1.0, seed=3, max_tokens=8, n=2,
+                                 structured_outputs=StructuredOutputsParams(choice=choices))
+    with AsyncEngine.from_model(tiny, engine_process=True, **OPTIONS) as engine:
+        out = engine.submit(PROMPTS[0], constrained).result(120)
+        assert all(c.text in choices and c.finish_reason == "stop" for c in out.outputs)
+        with pytest.raises(ValueError):  # a bad constraint is refused here, at once
+            engine.submit(PROMPTS[0], SamplingParams(
+                structured_outputs=StructuredOutputsParams(regex="(unclosed")))
+
+
 def test_a_bad_engine_option_is_a_value_error_from_the_core(tiny):
     with pytest.raises(ValueError, match="max_model_len"):
         AsyncEngine.from_model(tiny, engine_process=True, max_model_len=10**6, **OPTIONS)

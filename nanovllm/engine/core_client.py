@@ -87,6 +87,8 @@ class EngineCoreClient:
 
     def add_sequences(self, seqs: list[Sequence]) -> None:
         """Queue one request's samples; they travel with the next ``step`` (one message)."""
+        for seq in seqs:  # (a structured-output matcher does not travel: the core makes its own)
+            seq.grammar = None
         self._pending.append(seqs)
         self._samples_left[seqs[0].parent_id] = len(seqs)
         self._metrics[seqs[0].parent_id] = seqs[0].metrics

@@ -95,6 +95,8 @@ class EngineCoreProc:
         kind = command[0]
         if kind == "add":
             for seqs in command[1]:
+                for seq in seqs:  # matchers (chapter 15) are made here, not pickled
+                    seq.grammar = self.engine.input_processor.grammar_state(seq.params)
                 self.metrics[seqs[0].parent_id] = seqs[0].metrics
                 self.samples_left[seqs[0].parent_id] = len(seqs)
                 self.engine.add_sequences(seqs)
