@@ -24,6 +24,7 @@ from nanovllm.engine.policies import get_policy, rank_isolating_failures
 from nanovllm.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from nanovllm.engine.stop_checker import StopChecker
+from nanovllm.spec_decode.scheduling import apply_verified
 
 logger = logging.getLogger("nanovllm")
 
@@ -237,6 +238,8 @@ class Scheduler:
         ``model_output`` is the step just run, or with async scheduling the one before it
         (whose tokens arrived while this one was queued on the device), or None."""
         outputs, self._reports = self._reports, []
+        if scheduler_output.draft_token_ids is not None:  # speculative: always synchronous
+            return outputs + apply_verified(self, model_output)  # (chapter 14)
         placed = self._advance(scheduler_output, model_output)
         if model_output is not None:
             outputs += self._apply(model_output, placed)
