@@ -240,7 +240,7 @@ class EngineConfig:
     def _check_speculative(self) -> None:
         """Parse ``speculative_config``; refuse what speculation does not run with, and fall
         back, with a warning, from what it cannot use (chapter 14)."""
-        from nanovllm.spec_decode.config import parse_speculative_config
+        from nanovllm.speculative_config import parse_speculative_config
 
         self.speculative_config = parse_speculative_config(self.speculative_config)
         if self.speculative_config is None:

@@ -28,10 +28,10 @@ from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.sliding_window import make_block_manager
+from nanovllm.engine.spec_decode.speculator import Speculator
 from nanovllm.engine.stop_checker import StopChecker
 from nanovllm.models import ModelConfig, get_model_class
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.spec_decode.speculator import Speculator
 from nanovllm.tokenizer import load_tokenizer
 
 MAX_DEFAULT_MODEL_LEN = 8192

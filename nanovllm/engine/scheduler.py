@@ -23,8 +23,8 @@ from nanovllm.engine.output_processor import EngineCoreOutput
 from nanovllm.engine.policies import get_policy, rank_isolating_failures
 from nanovllm.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
+from nanovllm.engine.spec_decode.scheduling import apply_verified
 from nanovllm.engine.stop_checker import StopChecker
-from nanovllm.spec_decode.scheduling import apply_verified
 
 logger = logging.getLogger("nanovllm")
 

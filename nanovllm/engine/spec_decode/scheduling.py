@@ -13,14 +13,15 @@ one the target chose, one at a time through the scheduler's stop checks.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
 from nanovllm.engine.output_processor import EngineCoreOutput
 from nanovllm.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from nanovllm.engine.sequence import Sequence
 
-if TYPE_CHECKING:
-    from nanovllm.engine.scheduler import Scheduler
+# The scheduler (``engine/scheduler.py``), which calls this module: typed ``Any`` rather than
+# imported, so the two modules do not import each other.
+Scheduler = Any
 
 
 def reserve_draft_slots(scheduler: Scheduler, batch: SchedulerOutput, k: int) -> list[int]:

@@ -17,8 +17,8 @@ import torch
 
 from nanovllm.context import AttentionMetadata, attention_metadata
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.spec_decode.rejection_sampler import sample_rows, target_probs
 from nanovllm.layers.sampler import SamplingTensors
-from nanovllm.spec_decode.rejection_sampler import sample_rows, target_probs
 
 
 def select_rows(params: SamplingTensors, rows: list[int]) -> SamplingTensors:

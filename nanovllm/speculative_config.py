@@ -1,4 +1,5 @@
-"""``speculative_config``: vLLM's keys, validated when the engine is built (chapter 14).
+"""``speculative_config``: vLLM's keys, validated when the engine is built (chapter 14;
+the machinery is ``nanovllm/engine/spec_decode/``).
 
 Two methods are built: ``"ngram"`` (prompt lookup: the tokens that followed the most recent
 earlier occurrence of the request's last few tokens) and ``"draft_layers"`` (self-speculative,

@@ -18,17 +18,17 @@ from dataclasses import dataclass, field
 import torch
 
 from nanovllm.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from nanovllm.sampling_params import SamplingParams
-from nanovllm.spec_decode.config import SpeculativeConfig
-from nanovllm.spec_decode.draft_layers import DraftLayersProposer, select_rows
-from nanovllm.spec_decode.ngram_proposer import NgramProposer
-from nanovllm.spec_decode.rejection_sampler import (
+from nanovllm.engine.spec_decode.draft_layers import DraftLayersProposer, select_rows
+from nanovllm.engine.spec_decode.ngram_proposer import NgramProposer
+from nanovllm.engine.spec_decode.rejection_sampler import (
     rejection_sample,
     sample_rows,
     target_probs,
     uniform_rows,
 )
-from nanovllm.spec_decode.scheduling import attach_drafts, detach_drafts, reserve_draft_slots
+from nanovllm.engine.spec_decode.scheduling import attach_drafts, detach_drafts, reserve_draft_slots
+from nanovllm.sampling_params import SamplingParams
+from nanovllm.speculative_config import SpeculativeConfig
 
 
 @dataclass
