@@ -104,11 +104,12 @@ def sample_rows(probs: torch.Tensor, generators: list[torch.Generator | None],
     return (probs / noise).argmax(dim=-1)
 
 
-def uniform_rows(batch: int, k: int, generators: list[torch.Generator | None],
+def uniform_rows(counts: list[int], generators: list[torch.Generator | None],
                  shared: torch.Generator, device: torch.device) -> torch.Tensor:
-    """[batch, k] uniforms in [0, 1), seeded rows from their own generators."""
-    draws = torch.rand(batch, k, generator=shared, device=device)
-    for row, generator in enumerate(generators):
-        if generator is not None:
-            draws[row] = torch.rand(k, generator=generator, device=device)
+    """[len(counts), max(counts)] uniforms in [0, 1); a seeded row draws its own
+    ``counts[row]`` from its generator, so its stream depends on its proposals alone."""
+    draws = torch.rand(len(counts), max(counts, default=0), generator=shared, device=device)
+    for row, (generator, n) in enumerate(zip(generators, counts)):
+        if generator is not None and n:
+            draws[row, :n] = torch.rand(n, generator=generator, device=device)
     return draws

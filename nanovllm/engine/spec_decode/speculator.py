@@ -158,7 +158,7 @@ class Speculator:
             q = draft_probs[torch.as_tensor([batch_row[s.seq_id] for s in seqs], device=dev),
                             :k]
         shared = runner.sampler.generator
-        uniforms = uniform_rows(len(seqs), k, sampling.generators, shared, dev)
+        uniforms = uniform_rows(counts, sampling.generators, shared, dev)
         accepted, next_probs = rejection_sample(padded, draft_ids.to(dev),
                                                 torch.as_tensor(counts, device=dev), q, uniforms)
         chosen = sample_rows(next_probs, sampling.generators, shared).tolist()
