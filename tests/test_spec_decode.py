@@ -191,3 +191,17 @@ def test_smollm2_self_speculation_is_exact_and_accepts(smollm2_dir):
     assert [o.token_ids for o in outs] == reference  # (test_parity: equal to transformers')
     stats = llm.engine.speculator.stats
     assert stats.acceptance_rate > 0.2
+
+
+def test_the_benchmark_runs_on_a_cpu_with_tiny_sizes(tmp_path):
+    import json
+
+    from nanovllm.benchmarks import spec_decode
+
+    out = tmp_path / "spec.json"
+    spec_decode.main(["--tiny", "--batch-sizes", "1", "3", "--ks", "2", "--max-tokens", "8",
+                      "--prompt-len", "8", "--out", str(out)])
+    runs = json.loads(out.read_text())["runs"]
+    assert {r["method"] for r in runs} == {"none (eager)", "ngram", "draft_layers"}
+    assert all(r["output_tokens"] == 8 * r["batch"] for r in runs)
+    assert all(r["acceptance"] > 0.5 for r in runs if r["k"])  # random weights repeat
