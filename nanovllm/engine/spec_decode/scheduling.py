@@ -4,10 +4,11 @@ the proposals into the step, and the rollback of rejected ones.
 Proposals are tentative tokens: they join ``seq.token_ids`` only between planning and
 verifying one step (so that the step's layout, ``pack_step``, reads them like any token), and
 their KV slots are reserved *after* the step's allocation, so the prefix cache never registers
-a block that holds one. ``apply_verified``, which ``Scheduler.update_from_output`` calls for a
-speculative step, takes them back out, counts the accepted ones as computed (the rejected
-ones' cache entries are simply overwritten later) and delivers the accepted tokens plus the
-one the target chose, one at a time through the scheduler's stop checks.
+a block that holds one. After the verify pass ``Scheduler.update_from_output`` (the one writer
+of a request's progress) counts the accepted proposals as computed, not the rejected ones
+(``num_rejected``: their cache entries are simply overwritten later); ``apply_verified`` then
+takes the proposals back out of ``token_ids`` and delivers the accepted ones plus the token
+the target chose, one at a time through the scheduler's stop checks.
 """
 
 from __future__ import annotations
@@ -68,21 +69,28 @@ def detach_drafts(batch: SchedulerOutput) -> None:
             batch.num_tokens -= len(draft)
 
 
+def num_rejected(step: SchedulerOutput, seq: Sequence, emitted: list[int] | None) -> int:
+    """How many of ``seq``'s proposals in ``step`` were rejected, given the tokens it emits
+    (its accepted proposals then the target's own; None: it sampled nothing)."""
+    if emitted is None or seq.is_finished:
+        return 0
+    return len(step.draft_token_ids.get(seq.seq_id, ())) - (len(emitted) - 1)
+
+
 def apply_verified(scheduler: Scheduler, output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-    """Advance a verified speculative step: ``output.sampled_token_ids[i]`` is the list of
-    tokens sequence i emits (its accepted proposals, then the target's own token), or None
-    mid-prompt. Returns one report per sequence that got tokens."""
+    """Deliver a verified speculative step, whose progress the scheduler has counted (the
+    rejected proposals' slots are overwritten later): ``output.sampled_token_ids[i]`` is the
+    list of tokens sequence i emits (its accepted proposals, then the target's own token), or
+    None mid-prompt. Returns one report per sequence that got tokens."""
     step, now = output.step, time.perf_counter()
     reports = []
-    for seq, n, tokens in zip(step.seqs, step.num_new_tokens, output.sampled_token_ids):
-        seq.num_computed_tokens += n
+    for seq, tokens in zip(step.seqs, output.sampled_token_ids):
         draft = step.draft_token_ids.get(seq.seq_id, [])
         if draft:
             del seq.token_ids[-len(draft):]  # tentative: the accepted ones come back below
         if tokens is None or seq.is_finished:
             continue
         accepted = len(tokens) - 1
-        seq.num_computed_tokens -= len(draft) - accepted  # rejected slots: overwritten later
         seq.metrics.num_draft_tokens += len(draft)
         seq.metrics.num_accepted_tokens += accepted
         reports.append(_deliver(scheduler, seq, tokens, now))
