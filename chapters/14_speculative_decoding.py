@@ -378,8 +378,8 @@ figure(fig, "14_speculative_decoding_distribution_test",
 
 # %% [markdown]
 # Without the residual (say, resampling from $p$ after a rejection) or with an acceptance
-# test that ignores $q$, the same test fails with p-values near $10^{-16}$
-# (`tests/test_spec_decode_sampler.py` keeps the 0.001 threshold).
+# test that ignores $q$, the same test fails at the positions after the first
+# (`tests/test_spec_decode_sampler.py` runs it with a threshold of 0.001).
 
 # %% [markdown]
 # ## 4. Two proposers
@@ -398,7 +398,9 @@ show_source(ngram_proposer.ngram_propose)
 # **Hints**: 1. try the longest suffix first and stop at the first length that matches.
 # 2. `numpy.lib.stride_tricks.sliding_window_view(tokens[:-1], n)` lists every earlier window
 # of length n; compare it with the suffix and keep the rows that match entirely.
-# 3. The most recent match is the last index; what followed it may run into the suffix itself.
+# 3. The most recent match is the last index. What followed it may run into the end of the
+# text: the match says the text repeats with period $p$ (how far back it was found), so keep
+# reading $p$ places back, from the proposals themselves if need be.
 #
 # On SmolLM2, a request that copies a quoted paragraph against one that writes freely:
 

@@ -160,20 +160,25 @@ def reference_ngram(tokens: list[int], k: int, low: int, high: int) -> list[int]
         suffix = tokens[-n:]
         for i in range(len(tokens) - n - 1, -1, -1):
             if tokens[i : i + n] == suffix:
-                return tokens[i + n : i + n + k]
+                text = list(tokens)
+                while len(text) < len(tokens) + k:  # continue the text by the match
+                    text.append(text[len(text) - (len(tokens) - n - i)])
+                return text[len(tokens):]
     return []
 
 
 @pytest.mark.assignment("14.ngram_propose")
 def test_ngram_worked_examples():
     assert ngram_propose([1, 2, 3, 4, 1, 2], 2, 1, 3) == [3, 4]
-    assert ngram_propose([1, 2, 3, 4, 1, 2], 5, 1, 3) == [3, 4, 1, 2]  # runs to the end
+    # past the end of the text, the match's period continues it: 1 2 | 3 4 1 2 | 3 ...
+    assert ngram_propose([1, 2, 3, 4, 1, 2], 5, 1, 3) == [3, 4, 1, 2, 3]
     # the longest match wins over a more recent shorter one
     assert ngram_propose([5, 6, 7, 9, 6, 8, 0, 5, 6], 1, 1, 2) == [7]
     # the most recent occurrence of the longest match
     assert ngram_propose([1, 2, 3, 1, 2, 4, 1, 2], 1, 2, 2) == [4]
-    # overlapping the suffix is allowed: a run of one token proposes more of it
-    assert ngram_propose([9, 9, 9, 9], 3, 2, 3) == [9]
+    # overlapping the suffix is allowed: a run of one token proposes k more of it
+    assert ngram_propose([9, 9, 9, 9], 3, 2, 3) == [9, 9, 9]
+    assert ngram_propose([5, 7, 5, 7, 5], 3, 1, 3) == [7, 5, 7]
 
 
 @pytest.mark.assignment("14.ngram_propose")

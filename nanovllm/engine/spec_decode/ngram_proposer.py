@@ -20,8 +20,11 @@ def ngram_propose(token_ids: list[int] | np.ndarray, k: int, min_n: int,
     ``max_n >= n >= min_n`` such that the last ``n`` tokens of ``token_ids`` (the suffix) also
     occur earlier, at a start ``i`` with ``i + n < len(token_ids)`` (an occurrence may overlap
     the suffix, but is not the suffix itself). Among the occurrences of that longest suffix
-    take the most recent (the largest ``i``) and return the tokens that followed it,
-    ``token_ids[i + n : i + n + k]``, as a list of Python ints: between 1 and ``k`` of them.
+    take the most recent (the largest ``i``) and propose what followed it: exactly ``k``
+    tokens, as a list of Python ints. The match says the text repeats with period
+    ``p = len(token_ids) - n - i``, so proposal ``j`` is the token ``p`` places before it in
+    the text continued by the proposals themselves: ``token_ids[i + n + j]`` while that
+    exists, and proposal ``j - p`` after it (a run of one token proposes ``k`` more of it).
     Return ``[]`` when no ``n`` in the range matches, when ``len(token_ids) <= min_n`` or when
     ``k == 0``. A longer match always wins over a more recent shorter one. ``token_ids`` is a
     list or a 1-D NumPy array of ints and is not changed.
@@ -41,8 +44,9 @@ def ngram_propose(token_ids: list[int] | np.ndarray, k: int, min_n: int,
         windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
         starts = np.flatnonzero((windows == suffix).all(axis=1))
         if len(starts):
-            i = int(starts[-1])  # the most recent occurrence
-            return tokens[i + n : i + n + k].tolist()
+            period = length - n - int(starts[-1])  # the most recent occurrence
+            known = tokens[length - period :].tolist()  # what followed it, up to the end
+            return [known[j % period] for j in range(k)]  # then periodically, by the match
     return []
     # <<< assignment 14.ngram_propose
 
