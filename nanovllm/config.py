@@ -154,7 +154,7 @@ class EngineConfig:
     # Speculative decoding (chapter 14), vLLM's keys: {"method": "ngram",
     # "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m} or
     # {"method": "draft_layers", "num_layers": n, "num_speculative_tokens": k}. Parsed into a
-    # ``SpeculativeConfig`` here (``nanovllm/spec_decode/config.py``).
+    # ``SpeculativeConfig`` here (``nanovllm/speculative_config.py``).
     speculative_config: Any = None
 
     @classmethod

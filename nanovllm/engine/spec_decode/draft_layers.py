@@ -1,4 +1,4 @@
-"""Self-speculative proposals (chapter 14 §5, LayerSkip-style): the target's first
+"""Self-speculative, LayerSkip-style proposals (chapter 14 §4): the target's first
 ``num_layers`` decoder layers, its final norm and its LM head are the draft model.
 
 The draft needs no weights and no KV cache of its own: its layers *are* the target's first
