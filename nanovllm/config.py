@@ -9,6 +9,7 @@ exactly what its component buys: ``attention_backend``, ``enable_prefix_caching`
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -150,6 +151,11 @@ class EngineConfig:
     # needs compute capability >= 8.9 too (the torch backend runs it anywhere).
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
+    # Speculative decoding (chapter 14), vLLM's keys: {"method": "ngram",
+    # "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m} or
+    # {"method": "draft_layers", "num_layers": n, "num_speculative_tokens": k}. Parsed into a
+    # ``SpeculativeConfig`` here (``nanovllm/speculative_config.py``).
+    speculative_config: Any = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
@@ -170,6 +176,7 @@ class EngineConfig:
         self._resolve_device()
         self._check_tensor_parallel()
         self._check_quantization()
+        self._check_speculative()
         if self.async_scheduling is None:
             self.async_scheduling = self.device.startswith("cuda")
         if self.dtype == "auto":
@@ -229,6 +236,26 @@ class EngineConfig:
                 f"{need}: Ada, Hopper or newer); {self.device} has {major}.{minor}. Use "
                 "quantization='int8', or device='cpu' for the (slow) emulated fp8 path"
             )
+
+    def _check_speculative(self) -> None:
+        """Parse ``speculative_config``; refuse what speculation does not run with, and fall
+        back, with a warning, from what it cannot use (chapter 14)."""
+        from nanovllm.speculative_config import parse_speculative_config
+
+        self.speculative_config = parse_speculative_config(self.speculative_config)
+        if self.speculative_config is None:
+            return
+        if self.tensor_parallel_size > 1:
+            raise ValueError("speculative_config does not run with tensor_parallel_size > 1 yet")
+        if self.async_scheduling:
+            raise ValueError("speculative_config needs async_scheduling=False (or None): a "
+                             "step's proposals depend on the tokens the step before accepted")
+        self.async_scheduling = False
+        if not self.enforce_eager and self.device.startswith("cuda"):
+            logging.getLogger("nanovllm").warning(
+                "speculative decoding runs its steps eagerly: CUDA graphs are off "
+                "(enforce_eager=True)")
+        self.enforce_eager = True
 
     def _check_backend(self) -> None:
         """Refuse, now rather than at the first step, what the chosen backend cannot run: each

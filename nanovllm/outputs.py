@@ -28,6 +28,9 @@ class RequestMetrics:
     num_output_tokens: int = 0
     num_preemptions: int = 0
     num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    # speculative decoding (chapter 14): tokens proposed for it, and of those accepted
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def queue_time(self) -> float | None:

@@ -36,7 +36,8 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("layers", frozenset({"layers"})),
     ("kernels", frozenset({"kernels"})),
     ("leaves", frozenset({"configs", "context", "detokenizer", "distributed", "inputs",
-                          "outputs", "sampling_params", "structured_output", "tokenizer",
+                          "outputs", "sampling_params", "speculative_config",
+                          "structured_output", "tokenizer",
                           "validation"})),
 )
 

@@ -224,6 +224,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
+        # Slots reserved ahead of known tokens (speculative proposals, chapter 14) wait too.
+        num_tokens = min(num_tokens, seq.num_tokens)
         for i in range(len(seq.block_hashes), num_tokens // bs):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             if PLACEHOLDER in tokens:

@@ -28,6 +28,7 @@ from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.sliding_window import make_block_manager
+from nanovllm.engine.spec_decode.speculator import Speculator
 from nanovllm.engine.stop_checker import StopChecker
 from nanovllm.models import ModelConfig, get_model_class
 from nanovllm.sampling_params import SamplingParams
@@ -72,6 +73,10 @@ class LLMEngine:
                                               self.eos_token_ids,
                                               self.block_manager.num_blocks * config.block_size)
         self._in_flight: tuple[SchedulerOutput, InFlight] | None = None  # async scheduling
+        self.speculator: Speculator | None = None  # speculative decoding (chapter 14)
+        if config.speculative_config is not None:
+            config.speculative_config.check_model(self.model_config.num_layers)
+            self.speculator = Speculator(config.speculative_config, self.runner, self.scheduler)
         self.stats = EngineStats()
         self.timeline: TimelineRecorder | None = None  # off by default: costs nothing
 
@@ -80,11 +85,15 @@ class LLMEngine:
                       priority: int = 0) -> Sequence:
         """Validate one request and wrap it in a Sequence (nothing enters the engine yet;
         any thread may call this: ``input_processor.py``)."""
+        if self.speculator is not None:
+            self.speculator.check_params(params)
         return self.input_processor.make_sequence(prompt, params, request_id, priority)
 
     def make_sequences(self, prompt: object, params: SamplingParams, request_id: str | None = None,
                        priority: int = 0) -> list[Sequence]:
         """``make_sequence`` for each of the request's ``params.n`` samples."""
+        if self.speculator is not None:
+            self.speculator.check_params(params)
         return self.input_processor.make_sequences(prompt, params, request_id, priority)
 
     @property
@@ -165,6 +174,8 @@ class LLMEngine:
         """Launch the step; return the tokens of the step that is done: this one, or with
         async scheduling the previous one (None if there is none)."""
         self.runner.forget(scheduler_output.finished_seq_ids)
+        if self.speculator is not None:  # propose, verify, accept: synchronous (chapter 14)
+            return self.speculator.execute(scheduler_output) if scheduler_output.seqs else None
         launched = self._launch(scheduler_output)
         previous = self._in_flight
         self._in_flight = (scheduler_output, launched) if launched is not None else None

@@ -23,6 +23,7 @@ from nanovllm.engine.output_processor import EngineCoreOutput
 from nanovllm.engine.policies import get_policy, rank_isolating_failures
 from nanovllm.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
+from nanovllm.engine.spec_decode.scheduling import apply_verified, num_rejected
 from nanovllm.engine.stop_checker import StopChecker
 
 logger = logging.getLogger("nanovllm")
@@ -237,6 +238,12 @@ class Scheduler:
         ``model_output`` is the step just run, or with async scheduling the one before it
         (whose tokens arrived while this one was queued on the device), or None."""
         outputs, self._reports = self._reports, []
+        if scheduler_output.draft_token_ids is not None:  # speculative (chapter 14): synchronous
+            step = scheduler_output  # verified tokens count as computed, rejected proposals not
+            for seq, n, emitted in zip(step.seqs, step.num_new_tokens,
+                                       model_output.sampled_token_ids):
+                seq.num_computed_tokens += n - num_rejected(step, seq, emitted)
+            return outputs + apply_verified(self, model_output)
         placed = self._advance(scheduler_output, model_output)
         if model_output is not None:
             outputs += self._apply(model_output, placed)

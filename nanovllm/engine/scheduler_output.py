@@ -21,6 +21,9 @@ class SchedulerOutput:
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)  # during this schedule()
     finished_seq_ids: set[int] = field(default_factory=set)  # since the previous step
+    # A speculative step (chapter 14): each proposing sequence's proposals by seq_id; they
+    # sit after its last token and count in num_new_tokens. None: not speculative.
+    draft_token_ids: dict[int, list[int]] | None = None
 
     def __post_init__(self) -> None:
         seqs, counts = self.seqs, self.num_new_tokens
@@ -63,7 +66,9 @@ class ModelRunnerOutput:
     prompt logprobs when requests asked for them; a stand-in model may leave it None."""
 
     step: SchedulerOutput
-    sampled_token_ids: list[int | None]
+    # a speculative step (step.draft_token_ids): a list per sequence, its accepted proposals
+    # then the target's token (chapter 14)
+    sampled_token_ids: list[int | None] | list[list[int] | None]
     in_flight: InFlight | None = None
 
     @classmethod

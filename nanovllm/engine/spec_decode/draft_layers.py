@@ -1,0 +1,99 @@
+"""Self-speculative, LayerSkip-style proposals (chapter 14 §4): the target's first
+``num_layers`` decoder layers, its final norm and its LM head are the draft model.
+
+The draft needs no weights and no KV cache of its own: its layers *are* the target's first
+layers, whose keys and values for every computed position are already in the target's cache.
+Drafting token j writes those layers' entries at the slot of position ``P + j`` (reserved by
+``reserve_draft_slots``); the verification pass then recomputes every layer there and
+overwrites them with the same values (or, past a rejection, values that later steps
+overwrite again). Each draft step is a batched one-token decode through a fraction of the
+model: cheaper than a target step by about ``num_layers / model_layers``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from nanovllm.context import AttentionMetadata, attention_metadata
+from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.spec_decode.rejection_sampler import sample_rows, target_probs
+from nanovllm.layers.sampler import SamplingTensors
+
+
+def select_rows(params: SamplingTensors, rows: list[int]) -> SamplingTensors:
+    """The sampling settings of ``rows`` (indices into ``params``' rows), in that order."""
+    index = torch.as_tensor(rows, device=params.temperatures.device)
+    pick = lambda t: None if t is None else t[index]
+    temps = params.temperatures[index]
+    return SamplingTensors(temps, pick(params.top_k), pick(params.top_p), pick(params.min_p),
+                           [params.generators[r] for r in rows], params.all_greedy,
+                           params.any_filter)
+
+
+class DraftLayersProposer:
+    """Drafts with the target's first ``num_layers`` layers (vLLM-style name:
+    ``{"method": "draft_layers", "num_layers": n}``)."""
+
+    def __init__(self, runner, num_layers: int, k: int) -> None:
+        self.runner, self.num_layers, self.k = runner, num_layers, k
+
+    def _hidden(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The draft's final hidden states: embeddings, the first layers, the final norm
+        (the decoder stack of ``models/llama.py``, cut short)."""
+        decoder = self.runner.model.model
+        x, residual = decoder.embed_tokens(input_ids), None
+        for layer in decoder.layers[: self.num_layers]:
+            x, residual = layer(positions, x, residual)
+        x, _ = decoder.norm(x, residual)
+        return x
+
+    def _metadata(self, seqs: list[Sequence], positions: list[int]) -> AttentionMetadata:
+        """One query token per sequence at ``positions``: a decode batch's metadata."""
+        bs, to_device = self.runner.block_size, self.runner._to_device
+        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)]
+        tables = np.full((len(seqs), max(len(s.block_table) for s in seqs)), -1, np.int32)
+        for row, seq in enumerate(seqs):
+            tables[row, : len(seq.block_table)] = seq.block_table
+        lens = [p + 1 for p in positions]
+        cu = list(range(len(seqs) + 1))
+        return AttentionMetadata(
+            slot_mapping=to_device(slots, torch.int64), cu_seqlens_q=to_device(cu, torch.int32),
+            seq_lens_k=to_device(lens, torch.int32), block_tables=to_device(tables, torch.int32),
+            max_seqlen_q=1, max_seqlen_k=max(lens), num_decodes=len(seqs),
+            cu_seqlens_q_host=cu, seq_lens_k_host=lens)
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], budgets: list[int], sampling: SamplingTensors
+                ) -> tuple[list[list[int]], torch.Tensor | None]:
+        """Up to ``budgets[i]`` proposals for each of ``seqs`` (whose KV slots are reserved),
+        each drawn from the draft's distribution under the request's sampling settings
+        (``sampling``, one row per sequence); and those distributions, [len(seqs), K, V]
+        (None when every request is greedy: the draft's arg-max is then one-hot)."""
+        drafts: list[list[int]] = [[] for _ in seqs]
+        rows = [i for i, b in enumerate(budgets) if b > 0]
+        if not rows:
+            return drafts, None
+        k, runner = max(budgets), self.runner
+        probs = None
+        if not sampling.all_greedy:
+            vocab = runner.model_config.vocab_size
+            probs = torch.zeros(len(seqs), k, vocab, device=runner.device)
+        last = [seqs[r].token_ids[-1] for r in rows]
+        for j in range(k):
+            active = [r for r in rows if budgets[r] > j]
+            picked = [seqs[r] for r in active]
+            positions = [s.num_tokens - 1 + j for s in picked]  # x_last at P, draft j at P + j
+            inputs = [last[rows.index(r)] if j == 0 else drafts[r][-1] for r in active]
+            meta = self._metadata(picked, positions)
+            with attention_metadata(meta):
+                hidden = self._hidden(runner._to_device(inputs, torch.int64),
+                                      runner._to_device(positions, torch.int64))
+            dist = target_probs(runner.model.compute_logits(hidden), select_rows(sampling, active))
+            tokens = sample_rows(dist, [sampling.generators[r] for r in active],
+                                 runner.sampler.generator).tolist()
+            if probs is not None:
+                probs[torch.as_tensor(active, device=probs.device), j] = dist
+            for r, token in zip(active, tokens):
+                drafts[r].append(token)
+        return drafts, probs

@@ -1,0 +1,169 @@
+"""One speculative engine step, and what it measured (chapter 14 §2).
+
+``Speculator.execute`` replaces the model runner's launch/collect for a step: reserve slots
+and propose (``scheduling.py``, a proposer), put the proposals into the step, run ONE target
+forward pass over every request's new tokens (prompt chunks, plain decodes and proposals
+alike: ``pack_step``'s layout), take the target's distributions at each proposal and after
+the last, and let ``rejection_sample`` decide. The scheduler then rolls back what was
+rejected (``Scheduler.update_from_output`` -> ``apply_verified``).
+
+What speculation does not run with is refused when the engine is built (``EngineConfig``)
+or a request is submitted (``check_params``), never silently wrong.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from nanovllm.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from nanovllm.engine.spec_decode.draft_layers import DraftLayersProposer, select_rows
+from nanovllm.engine.spec_decode.ngram_proposer import NgramProposer
+from nanovllm.engine.spec_decode.rejection_sampler import (
+    rejection_sample,
+    sample_rows,
+    target_probs,
+    uniform_rows,
+)
+from nanovllm.engine.spec_decode.scheduling import attach_drafts, detach_drafts, reserve_draft_slots
+from nanovllm.sampling_params import SamplingParams
+from nanovllm.speculative_config import SpeculativeConfig
+
+
+@dataclass
+class SpecDecodeStats:
+    """Counts since the engine started (vLLM's names): proposals made and accepted, in all
+    and by position (``[j]``: the (j+1)-th proposal of a step)."""
+
+    k: int
+    num_steps: int = 0  # steps in which some request proposed
+    num_drafts: int = 0  # (request, step) pairs with proposals
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_draft_tokens_per_pos: list[int] = field(default_factory=list)
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.num_draft_tokens_per_pos = [0] * self.k
+        self.num_accepted_tokens_per_pos = [0] * self.k
+
+    def record(self, proposed: list[int], accepted: list[int]) -> None:
+        """One step: each proposing request's proposal count and accepted count."""
+        self.num_steps += 1
+        for n, a in zip(proposed, accepted):
+            self.num_drafts += 1
+            self.num_draft_tokens += n
+            self.num_accepted_tokens += a
+            for j in range(n):
+                self.num_draft_tokens_per_pos[j] += 1
+                self.num_accepted_tokens_per_pos[j] += j < a
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """Of the proposals made at position j, the fraction accepted."""
+        return [a / n if n else 0.0 for a, n in zip(self.num_accepted_tokens_per_pos,
+                                                     self.num_draft_tokens_per_pos)]
+
+    @property
+    def mean_tokens_per_draft(self) -> float:
+        """Tokens a proposing request gains per step: accepted proposals plus the target's."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+
+# Sampling features a speculative step does not apply per proposal: refused at submission.
+_UNSUPPORTED = {
+    "logprobs": lambda p: p.logprobs is not None,
+    "prompt_logprobs": lambda p: p.prompt_logprobs is not None,
+    "presence_penalty": lambda p: p.presence_penalty != 0,
+    "frequency_penalty": lambda p: p.frequency_penalty != 0,
+    "repetition_penalty": lambda p: p.repetition_penalty != 1,
+    "logit_bias": lambda p: bool(p.logit_bias),
+    "allowed_token_ids": lambda p: p.allowed_token_ids is not None,
+    "bad_words": lambda p: bool(p.bad_words),
+    "min_tokens": lambda p: p.min_tokens > 0,
+}
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, runner, scheduler) -> None:
+        self.config, self.runner, self.scheduler = config, runner, scheduler
+        k = config.num_speculative_tokens
+        if config.method == "ngram":
+            self.proposer = NgramProposer(k, config.prompt_lookup_min, config.prompt_lookup_max)
+        else:
+            self.proposer = DraftLayersProposer(runner, config.num_layers, k)
+        self.stats = SpecDecodeStats(k)
+
+    @staticmethod
+    def check_params(params: SamplingParams) -> None:
+        """Refuse a request whose sampling settings speculation does not apply."""
+        used = [name for name, asks in _UNSUPPORTED.items() if asks(params)]
+        if used:
+            raise ValueError(f"SamplingParams {used} cannot be used with speculative decoding "
+                             "(speculative_config) yet; build the LLM without it for them")
+
+    def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
+        """Propose, verify and accept for every sequence of ``batch`` (a scheduled step)."""
+        budgets = reserve_draft_slots(self.scheduler, batch, self.config.num_speculative_tokens)
+        draft_probs = None
+        if isinstance(self.proposer, NgramProposer):
+            drafts = self.proposer.propose(batch.seqs, budgets)
+        else:
+            sampling, _ = self.runner._sampling_inputs(batch.seqs)
+            drafts, draft_probs = self.proposer.propose(batch.seqs, budgets, sampling)
+        attach_drafts(batch, drafts)
+        try:
+            tokens = self._verify(batch, draft_probs)
+        except BaseException:
+            detach_drafts(batch)  # nothing was accepted: the step's state is as scheduled
+            raise
+        return ModelRunnerOutput(batch, tokens)
+
+    @torch.inference_mode()
+    def _verify(self, batch: SchedulerOutput, draft_probs: torch.Tensor | None
+                ) -> list[list[int] | None]:
+        """One target forward pass over the step; each sequence's emitted tokens."""
+        runner = self.runner
+        step = runner.prepare(batch)  # pack_step reads the proposals as ordinary tokens
+        hidden = runner._forward(step.input_ids, step.positions, step.meta, step.plan)
+        seqs = step.sample_seqs  # the rows that sample, decodes first
+        if not seqs:
+            return [None] * len(batch.seqs)
+        sampling, _ = runner._sampling_inputs(seqs)  # (no logits processing: check_params)
+        drafts = [batch.draft_token_ids.get(s.seq_id, []) for s in seqs]
+        counts = [len(d) for d in drafts]
+        k = max(counts)
+        # Each sampled row's last k_b + 1 positions: after the real token, after each proposal.
+        ends = step.plan.longs.unpack()["sample_indices"].tolist()
+        index = [p for end, n in zip(ends, counts) for p in range(end - n, end + 1)]
+        logits = runner.model.compute_logits(hidden[runner._to_device(index, torch.int64)])
+        expand = [r for r, n in enumerate(counts) for _ in range(n + 1)]
+        probs = target_probs(logits, select_rows(sampling, expand))
+        where = [(r, j) for r, n in enumerate(counts) for j in range(n + 1)]
+        dev = probs.device
+        padded = torch.zeros(len(seqs), k + 1, probs.shape[-1], device=dev)
+        padded[torch.as_tensor([r for r, _ in where], device=dev),
+               torch.as_tensor([j for _, j in where], device=dev)] = probs
+        draft_ids = torch.full((len(seqs), k), -1, dtype=torch.long)
+        for r, d in enumerate(drafts):
+            draft_ids[r, : len(d)] = torch.as_tensor(d, dtype=torch.long)
+        q = None
+        if draft_probs is not None and k:
+            batch_row = {s.seq_id: i for i, s in enumerate(batch.seqs)}
+            q = draft_probs[torch.as_tensor([batch_row[s.seq_id] for s in seqs], device=dev),
+                            :k]
+        shared = runner.sampler.generator
+        uniforms = uniform_rows(counts, sampling.generators, shared, dev)
+        accepted, next_probs = rejection_sample(padded, draft_ids.to(dev),
+                                                torch.as_tensor(counts, device=dev), q, uniforms)
+        chosen = sample_rows(next_probs, sampling.generators, shared).tolist()
+        accepted = accepted.tolist()
+        if any(counts):
+            self.stats.record([n for n in counts if n], [a for n, a in zip(counts, accepted) if n])
+        emitted = [d[:a] + [t] for d, a, t in zip(drafts, accepted, chosen)]
+        return [emitted[r] if r >= 0 else None for r in step.logit_rows]
