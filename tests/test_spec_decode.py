@@ -14,7 +14,7 @@ import torch
 from course_ids import ENGINE
 from test_scheduler import PROMPTS, make_tiny_llama, one_torch_thread  # noqa: F401
 
-from nanovllm import LLM, SamplingParams
+from nanovllm import LLM, SamplingParams, StructuredOutputsParams
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3}
@@ -143,6 +143,7 @@ def test_unsupported_engine_features_are_refused(tiny):
     SamplingParams(repetition_penalty=1.2), SamplingParams(presence_penalty=0.5),
     SamplingParams(logit_bias={3: 1.0}), SamplingParams(min_tokens=2, max_tokens=4),
     SamplingParams(allowed_token_ids=[1, 2, 3]),
+    SamplingParams(structured_outputs=StructuredOutputsParams(choice=["a", "b"])),
 ])
 def test_unsupported_sampling_is_refused_at_submission(tiny, params):
     llm = LLM(tiny, num_kv_blocks=16, speculative_config=LAYERS)

@@ -86,6 +86,7 @@ _UNSUPPORTED = {
     "allowed_token_ids": lambda p: p.allowed_token_ids is not None,
     "bad_words": lambda p: bool(p.bad_words),
     "min_tokens": lambda p: p.min_tokens > 0,
+    "structured_outputs": lambda p: p.structured_outputs is not None,  # (chapter 15's masks)
 }
 
 
