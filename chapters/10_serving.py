@@ -684,7 +684,7 @@ figure(fig, "10_serving_one_or_two_processes",
        " (figures/data/serve_compare_h200.json).")
 
 # %% [markdown]
-# Reading it: the split is what lets the server keep up at the high rates. At the low rates
+# Reading Figure 10.4: the split is what lets the server keep up at the high rates. At the low rates
 # both modes deliver what is asked (the curves coincide); at the higher ones the thread mode's
 # TPOT climbs steeply while the engine waits for the event loop, and the process mode's
 # climbs much less. Yet even two processes stay well short of offline `LLM.generate` when
@@ -713,7 +713,7 @@ for frame, share in api_profile["self"][:12]:
 # string instead of a pydantic model, move detokenization off the event loop (vLLM detokenizes
 # in the output handler, in bulk per step), and, beyond that, more than one API process in
 # front of one engine core (vLLM's `--api-server-count`). The book records the gap rather than
-# hiding it: the chapter's target -- the server within 80% of offline -- is not reached yet.
+# hiding it: a server as fast as its engine is not reached yet.
 #
 # The same comparison on this project's 2-core CPU, with SmolLM2 (32 requests, 2 clients:
 # small enough for a chapter; the CPU is shared by the engine core, the API process and the

@@ -115,7 +115,8 @@ tiny12 = tiny_llama(work / "tiny12", vocab=12, seed=3)  # a 12-token vocabulary:
 # %% [markdown]
 # ## 1. A verify step costs about one decode step
 #
-# A decode step multiplies each weight matrix by one activation vector per request: two
+# A decode step (Figure 14.1 measures one) multiplies each weight matrix by one activation
+# vector per request: two
 # floating-point operations per weight per token, against reading the weight once. With $T$
 # tokens in the step the operations grow as $T$, the bytes do not. Until $T$ is large enough
 # for the arithmetic to catch up with the memory (the ridge point of chapter 11's roofline,
@@ -175,7 +176,8 @@ figure(fig, "14_speculative_decoding_verify_cost",
 # of the layers for self-speculation), the speedup over plain decoding is
 # $\dfrac{1-\alpha^{k+1}}{(1-\alpha)(1 + c\,k)}$, as long as the verify step costs one
 # decode step (section 5 is about when it does not).
-
+#
+# Figure 14.2 draws both: the tokens per step, and the speedup they buy.
 
 # %%
 def tokens_per_step(alpha: float, k: int) -> float:
@@ -331,6 +333,8 @@ show_source(rejection_sampler.rejection_sample)
 # 12-token vocabulary, 1,500 samples of 4 tokens each way, and a chi-square test of homogeneity
 # per position (the draft is the model's first layer of two, a poor draft, so most proposals
 # are rejected and the residual does real work).
+#
+# Figure 14.3 draws the distribution test below.
 
 # %%
 def chi2_sf(statistic: float, dof: int) -> float:
@@ -443,6 +447,8 @@ for name, (acc, proposed, tokens, steps, sec) in ngram_results.items():
 # depends on training: LayerSkip trains models so that early exits predict well; SmolLM2 was
 # not. One forward pass over real text, teacher-forced, shows how often the exit after $n$ of
 # SmolLM2's 30 layers agrees with the full model's arg-max:
+#
+# Figure 14.4 shows both measurements.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -510,6 +516,8 @@ figure(fig, "14_speculative_decoding_smollm2_acceptance",
 # every request repeats one token, so proposals are nearly always accepted: the record shows
 # the best case, what the verify step and the drafts cost, not what real text would accept
 # (SmolLM2's numbers above are for that).
+#
+# Figure 14.5 shows the speedup by batch size and k.
 
 # %%
 # NBVAL_IGNORE_OUTPUT

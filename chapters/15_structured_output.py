@@ -41,6 +41,11 @@
 #
 # The chapter runs in about two minutes on a 2-core CPU (SmolLM2-135M).
 
+# %%
+from nanovllm.viz.diagrams import show_roadmap
+
+show_roadmap(15)
+
 # %% [markdown]
 # **Builds on:** the sampler and logits processors of chapter 01 (a mask is one more logits
 # processor), the scheduler's single update path of chapter 06 and async scheduling of
@@ -176,7 +181,7 @@ show_source(dfa_mask)
 # (2) inside it, a loop over the token's characters that stops at the first dead step;
 # (3) EOS does not walk: it asks whether `state` is accepting.
 #
-# The mask of every state over a toy vocabulary (a filled square: allowed):
+# The mask of every state over a toy vocabulary (Figure 15.1; a filled square: allowed):
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -268,6 +273,8 @@ show_source(masks.apply_token_bitmask)
 # What it costs per step, on this CPU (every row constrained by a six-field JSON schema,
 # the matchers at different points of a valid object; `nanovllm.benchmarks.structured_output`
 # records the same on an H200):
+#
+# Figure 15.2 measures both costs against the number of constrained requests.
 
 # %%
 # NBVAL_IGNORE_OUTPUT

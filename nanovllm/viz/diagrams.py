@@ -110,7 +110,7 @@ def engine_step_diagram() -> Any:
 
 # (label, x, y, w, h, chapters that build or change it); the engine as chapter 00 draws it.
 COMPONENTS: list[tuple[str, float, float, float, float, tuple[int, ...]]] = [
-    ("HTTP server\n(OpenAI API)", 0.1, 2.3, 1.9, 0.9, (10,)),
+    ("HTTP server\n(OpenAI API)", 0.1, 2.3, 1.9, 0.9, (10, 15)),
     ("async engine,\nengine loop", 2.3, 2.3, 1.9, 0.9, (6, 10, 11)),
     ("scheduler\n+ policies", 4.5, 2.3, 1.9, 0.9, (6, 13, 14)),
     ("block manager,\nprefix cache", 6.7, 2.3, 1.9, 0.9, (4, 13)),
@@ -120,7 +120,7 @@ COMPONENTS: list[tuple[str, float, float, float, float, tuple[int, ...]]] = [
     ("quantized\nlinears", 4.5, 0.9, 1.9, 0.9, (8,)),
     ("attention\nkernels", 6.7, 0.9, 1.9, 0.9, (2, 5, 12)),
     ("KV cache", 8.9, 0.9, 1.9, 0.9, (3, 4, 8)),
-    ("sampler", 0.1, -0.4, 1.9, 0.8, (1, 14)),
+    ("sampler", 0.1, -0.4, 1.9, 0.8, (1, 14, 15)),
 ]
 ROADMAP_TITLES = {
     1: "the model and the sampler", 2: "attention", 3: "the KV cache",
@@ -128,7 +128,7 @@ ROADMAP_TITLES = {
     6: "the scheduler", 7: "CUDA graphs", 8: "quantization", 9: "tensor parallelism",
     10: "serving", 11: "performance", 12: "long context and new models",
     13: "troubleshooting: the invariants of the bookkeeping", 14: "speculative decoding",
-    16: "mixture of experts",
+    15: "structured output", 16: "mixture of experts",
 }
 
 
