@@ -716,8 +716,9 @@ for frame, share in api_profile["self"][:12]:
 # hiding it: a server as fast as its engine is not reached yet.
 #
 # The same comparison on this project's 2-core CPU, with SmolLM2 (32 requests, 2 clients:
-# small enough for a chapter; the CPU is shared by the engine core, the API process and the
-# clients, so the split gains less here):
+# small enough for a chapter). Two cores are shared by the engine core, the API process, the
+# clients and whatever else runs (the record says how loaded the machine was): read it as the
+# tool at work on a laptop-sized machine, not as a measurement of the split.
 
 # %%
 # NBVAL_IGNORE_OUTPUT

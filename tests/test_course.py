@@ -41,6 +41,9 @@ ASSIGNMENTS = {
     "11.placeholders": 8,
     "13.check_refcounts": 4,
     "12.sliding_window": 4, "12.phi3_fused_weights": 5,
+    "14.rejection_sample": 8, "14.ngram_propose": 6,
+    "15.apply_mask": 6, "15.dfa_mask": 5,
+    "16.route": 4, "16.align": 5,
 }  # fmt: skip
 DECODE = "tests/kernels/test_decode_kernels.py::"
 FAST = [
