@@ -3,7 +3,9 @@
 ``run_fleet`` replays a workload's arrivals against ``LLMEngine`` replicas: each request is
 routed when it arrives, and each replica steps on its own clock, advanced by the measured
 time of its own steps -- as if every replica had a device of its own, while this process
-runs them one step at a time. (Replicas that really share one device, or a CPU's cores,
+runs them one step at a time. On a GPU a step's time is wall-clock time (synchronized); on a
+CPU it is this process's CPU time (all its threads), which other jobs on a shared machine
+do not inflate. (Replicas that really share one device, or a CPU's cores,
 would slow each other down; the clock leaves that out, on purpose: it compares routers, not
 hardware.) A replica that is idle when a request arrives jumps its clock to the arrival.
 
@@ -50,7 +52,7 @@ class FleetResult:
     prompt_tokens: int
     cached_prompt_tokens: int  # found in a replica's prefix cache
     output_tokens: int
-    seconds: float  # first arrival to last finish, on the replicas' clocks
+    seconds: float  # first arrival to last finish, on the replicas' clocks (module docstring)
     ttft: list[float] = field(repr=False)  # per request, arrival to first token
 
     @property
@@ -89,6 +91,7 @@ def run_fleet(engines: list[LLMEngine], router, work: Workload) -> FleetResult:
     first_token: dict[str, float] = {}
     counts = [0] * n
     device = engines[0].config.device
+    clock = time.perf_counter if device.startswith("cuda") else time.process_time
     next_arrival = 0
     while next_arrival < len(order) or any(e.has_unfinished_requests() for e in engines):
         busy = [r for r in range(n) if engines[r].has_unfinished_requests()]
@@ -105,10 +108,10 @@ def run_fleet(engines: list[LLMEngine], router, work: Workload) -> FleetResult:
             owner[str(i)], counts[replica] = replica, counts[replica] + 1
             next_arrival += 1
             continue
-        start = time.perf_counter()
+        start = clock()
         outputs = engines[stepper].step()
         synchronize(device)
-        clocks[stepper] += time.perf_counter() - start
+        clocks[stepper] += clock() - start
         for out in outputs:
             if out.new_token_ids and out.request_id not in first_token:
                 first_token[out.request_id] = clocks[stepper]

@@ -108,12 +108,13 @@ def main(argv: list[str] | None = None) -> dict:
     record = {
         "what": "cache-aware routing vs round-robin: engine replicas in one process, each on "
                 "its own clock of measured step times (nanovllm/deploy/fleet.py)",
+        "clock": "wall-clock seconds" if device == "cuda" else
+                 "CPU seconds of this process (all torch threads), not wall-clock",
         "device": torch.cuda.get_device_name() if device == "cuda" else
                   f"CPU ({platform.processor() or platform.machine()}, "
                   f"{torch.get_num_threads()} torch threads)",
         "date": datetime.date.today().isoformat(),
-        # other jobs on the machine slow every replica's steps alike: compare routers
-        # within one record, not records across machines
+        # (other jobs on the machine: a CPU clock leaves them out, a GPU one does not)
         "load_average_at_end": round(os.getloadavg()[0], 2),
         "command": "python -m nanovllm.deploy.routing_bench " + shlex.join(argv or sys.argv[1:]),
         "model": args.model or path, "block_size": block_size,
