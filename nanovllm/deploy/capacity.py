@@ -1,6 +1,6 @@
 """How many replicas a day of traffic needs, and what a queue-depth autoscaler does over that
 day (chapter 17 §6). Both are arithmetic on one server's measured latency-vs-rate curve
-(``figures/data/serve_h200.json``: chapter 10's load generator against one H200 replica);
+(``figures/data/serve_h200.json``: ``nanovllm.benchmarks.serve`` against one H200 replica);
 the autoscaler's day is a simulation, and labelled as one.
 
 - ``LatencyCurve``: TTFT and TPOT (p90) at each offered rate, linear in between, and the

@@ -1,7 +1,7 @@
 """Which replica gets a request: round-robin, or the one most likely to hold its prefix
 (chapter 17 §5).
 
-Each replica's engine keeps a prefix cache (chapter 04): a full block of a prompt is found
+Each replica's engine keeps a prefix cache (``BlockManager``): a full block of a prompt is found
 by the chained hash of every token up to it. A router that sends a request to a replica
 holding its first blocks saves that replica their prefill; one that ignores prefixes (a
 Kubernetes Service, round-robin) makes every replica compute every popular prefix, and with
