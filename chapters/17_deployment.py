@@ -379,13 +379,14 @@ def routing_figure(record: dict):
     return fig
 
 
-figure(routing_figure(routing_cpu), "17_routing_cpu",
+fig = routing_figure(routing_cpu)
+figure(fig, "17_routing_cpu",
        "Cache-aware routing against round-robin on the multi-tenant shared-prefix workload "
        f"({routing_cpu['device']}, {routing_cpu['date']}; `figures/data/routing_cpu.json`). "
        "Times are each replica's own CPU time, so other jobs on the machine do not count.")
 
 # %% [markdown]
-# Round-robin's hit rate falls as replicas are added: each new replica must compute every
+# In Figure 17.1, round-robin's hit rate falls as replicas are added: each new replica must compute every
 # tenant's system prompt once more, and its cache, which cannot hold them all, evicts them.
 # The prefix-aware router keeps each tenant on few replicas, so its hit rate holds, and the
 # prefill tokens left to compute shrink accordingly. The time columns are the less robust
@@ -422,7 +423,7 @@ print(f"within the SLO: {per_replica:.1f} req/s per replica, holding "
 # a **simulation** of Kubernetes' rule over a fluid queue: each metric asks for
 # `ceil(replicas × metric / target)`; scale-up adds a limited number of pods per period, a
 # new pod serves only after its start-up (weights, kernels, `/health`), and scale-down takes
-# the highest wish of its stabilization window (the rule is printed below the figure).
+# the highest wish of its stabilization window (the rule is printed below Figure 17.2).
 
 # %%
 trace = capacity.day_trace(peak_rps=400, trough_rps=40, step_s=60)
@@ -469,7 +470,7 @@ for name, run in simulations.items():
           f"{missed(run):.0%} of the day, longest queue {max(run['waiting']):,.0f} requests")
 
 # %% [markdown]
-# The queue alone is a poor signal for scaling *down*: it is empty whenever the replicas keep
+# Figure 17.2's lesson: the queue alone is a poor signal for scaling *down*: it is empty whenever the replicas keep
 # up, so the rule asks for `minReplicas`, waits out the window, removes replicas, and the
 # queue builds again — with minutes of start-up before the new pods help. The running count
 # rises with the load *before* anything queues, so it holds the fleet near the planner's size;
