@@ -235,7 +235,7 @@ show_source(ray_executor.RayWorker.poll, ray_executor.RayExecutor.__init__)
 # several nodes.
 
 # %% [markdown]
-# ## 5. Routing: send a request where its prefix is
+# ## 5. Cache-aware routing: send a request where its prefix is
 #
 # A Kubernetes Service spreads requests over replicas without looking at them. For an LLM
 # that wastes work: chapter 04's prefix cache lets a replica skip a prompt's first blocks if
