@@ -386,8 +386,9 @@ figure(fig, "17_routing_cpu",
        "Times are each replica's own CPU time, so other jobs on the machine do not count.")
 
 # %% [markdown]
-# In Figure 17.1, round-robin's hit rate falls as replicas are added: each new replica must compute every
-# tenant's system prompt once more, and its cache, which cannot hold them all, evicts them.
+# In Figure 17.1, round-robin's hit rate falls as replicas are added: each new replica must
+# compute every tenant's system prompt once more, and its cache, which cannot hold them all,
+# evicts them.
 # The prefix-aware router keeps each tenant on few replicas, so its hit rate holds, and the
 # prefill tokens left to compute shrink accordingly. The time columns are the less robust
 # measurement here: with a small model on a CPU each step's fixed cost weighs as much as its
@@ -470,9 +471,10 @@ for name, run in simulations.items():
           f"{missed(run):.0%} of the day, longest queue {max(run['waiting']):,.0f} requests")
 
 # %% [markdown]
-# Figure 17.2's lesson: the queue alone is a poor signal for scaling *down*: it is empty whenever the replicas keep
-# up, so the rule asks for `minReplicas`, waits out the window, removes replicas, and the
-# queue builds again — with minutes of start-up before the new pods help. The running count
+# Figure 17.2's lesson: the queue alone is a poor signal for scaling *down*: it is empty
+# whenever the replicas keep up, so the rule asks for `minReplicas`, waits out the window,
+# removes replicas, and the queue builds again — with minutes of start-up before the new pods
+# help. The running count
 # rises with the load *before* anything queues, so it holds the fleet near the planner's size;
 # the queue still adds replicas fast when a burst outruns them. Both runs miss the SLO during
 # the morning ramp, when pods start later than the load rises: a lower target, or a schedule
@@ -523,41 +525,39 @@ print(assignment_table("17"))
 # ## Exercises
 #
 # **Exercise 1 — the grace period.** Write `grace_seconds(pre_stop, grace_period, margin,
-# headroom)`: the smallest whole number of seconds for `terminationGracePeriodSeconds`
-# that is strictly longer than the pause, the drain and the margin together, plus
-# `headroom`.
+# headroom)`: the smallest whole number of seconds for `terminationGracePeriodSeconds` that
+# is strictly longer than the `preStop` pause, the server's grace period and uvicorn's margin
+# together, plus `headroom` (section 3).
 
-# %%
+# %% tags=["exercise"]
 def grace_seconds(pre_stop: float, grace_period: float, margin: float, headroom: float) -> int:
-    import math
+    """terminationGracePeriodSeconds that outwaits pause + drain + margin + headroom."""
+    raise NotImplementedError("exercise 17.grace_seconds")
 
-    return math.floor(pre_stop + grace_period + margin + headroom) + 1
 
-
-# %%
-# NBVAL_CHECK_OUTPUT
-assert grace_seconds(5, 30, 5, 0) == 41 and grace_seconds(0, 2.5, 0, 0) == 3
-assert pod["terminationGracePeriodSeconds"] >= grace_seconds(pre_stop, serve_config.grace_period,
-                                                             SHUTDOWN_MARGIN, 0)
-print("Exercise 1 passed: grace_seconds covers the drain")
+# %% tags=["check", "raises-exception"]
+assert grace_seconds(5, 30, 5, 0) == 41
+assert grace_seconds(0, 2.5, 0, 0) == 3
+assert grace_seconds(5, 30, 5, 4) == 45 and isinstance(grace_seconds(1, 1, 1, 1), int)
+print("Exercise 1 passed: grace_seconds outwaits the drain")
 
 # %% [markdown]
-# **Exercise 2 — how many replicas at the peak?** With `curve` and `SLO` above, write
-# `peak_replicas(peak_rps)`: the replicas the planner needs at `peak_rps`, using the
-# per-replica rate within the SLO.
+# **Exercise 2 — the leading match.** Write `leading_match(held, hashes)`: how many of the
+# request's chained block hashes a replica holds *from the start*, stopping at the first it
+# does not hold (section 5: a later block without the earlier ones belongs to another prefix).
 
-# %%
-def peak_replicas(peak_rps: float) -> int:
-    import math
+# %% tags=["exercise"]
+def leading_match(held: set, hashes: list) -> int:
+    """The number of leading ``hashes`` found in ``held``."""
+    raise NotImplementedError("exercise 17.leading_match")
 
-    return math.ceil(peak_rps / curve.max_rate(*SLO))
 
-
-# %%
-# NBVAL_CHECK_OUTPUT
-assert peak_replicas(400) == max(capacity.replicas_needed([400], per_replica))
-assert peak_replicas(per_replica) == 1 and peak_replicas(per_replica + 1) == 2
-print("Exercise 2 passed: peak_replicas matches the planner")
+# %% tags=["check", "raises-exception"]
+assert leading_match({1, 2, 3}, [1, 2, 3, 4]) == 3
+assert leading_match({2, 3}, [1, 2, 3]) == 0
+assert leading_match({1, 3}, [1, 2, 3]) == 1
+assert leading_match(set(), []) == 0 and leading_match({7}, []) == 0
+print("Exercise 2 passed: leading_match counts the held prefix")
 
 # %% [markdown]
 # **Exercise 3 (discussion) — consistent hashing.** A simpler router hashes a prompt's first
