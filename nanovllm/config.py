@@ -95,6 +95,7 @@ _RULES: tuple[Rule, ...] = (
     ("num_kv_blocks", optional(is_positive_int), "None or an int >= 1"),
     ("kv_cache_memory", optional(is_positive_int), "None or a number of bytes >= 1"),
     ("tensor_parallel_size", is_positive_int, "an int >= 1"),
+    ("distributed_executor_backend", *one_of(("mp", "ray"))),
     ("logprobs_mode", *one_of(LOGPROBS_MODES)),
     ("quantization", optional(one_of(QUANTIZATION_METHODS)[0]),
      f"None or one of {QUANTIZATION_METHODS}"),
@@ -136,6 +137,9 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # KV budget in bytes (CPU default: 1 GiB)
     scheduler_policy: Any = "fcfs"  # a policy name or a Policy object (chapter 06)
     tensor_parallel_size: int = 1
+    # Who starts ranks 1..N-1: "mp", child processes on this host (chapter 09), or "ray",
+    # workers Ray places on any node of its cluster (nanovllm/deploy/ray_executor.py, ch. 17)
+    distributed_executor_backend: str = "mp"
     seed: int = 0
     # Which distribution SamplingParams.logprobs report (vLLM's names): the model's own
     # ("raw_logprobs"), or "processed_logprobs": after penalties, bias, masks and temperature
@@ -208,7 +212,8 @@ class EngineConfig:
                 f"EngineConfig.device is {self.device!r}: with tensor_parallel_size={n} pass "
                 "device='cuda' (rank r uses GPU r; choose GPUs with CUDA_VISIBLE_DEVICES)"
             )
-        if "WORLD_SIZE" not in os.environ and n > torch.cuda.device_count():
+        on_one_host = "WORLD_SIZE" not in os.environ and self.distributed_executor_backend == "mp"
+        if on_one_host and n > torch.cuda.device_count():
             raise ValueError(
                 f"EngineConfig.tensor_parallel_size is {n} but this machine has "
                 f"{torch.cuda.device_count()} GPU(s); ranks on other hosts need WORLD_SIZE, "

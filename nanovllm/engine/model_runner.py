@@ -77,7 +77,10 @@ class ModelRunner:
         if config.tensor_parallel_size > 1 and distributed.tp_size() == 1:
             if self.device.type == "cuda":
                 self.device = torch.device("cuda", torch.cuda.current_device())
-            self.executor = TPExecutor(config, self.device)
+            executor_class = TPExecutor
+            if config.distributed_executor_backend == "ray":  # (chapter 17)
+                from nanovllm.deploy.ray_executor import RayExecutor as executor_class
+            self.executor = executor_class(config, self.device)
         # A function of the device alone, not a bound method: handed to SamplingInputs, a
         # method would make the runner a reference cycle, which `del llm` could not free.
         self._to_device = functools.partial(to_device, device=self.device)

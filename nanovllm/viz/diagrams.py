@@ -110,11 +110,11 @@ def engine_step_diagram() -> Any:
 
 # (label, x, y, w, h, chapters that build or change it); the engine as chapter 00 draws it.
 COMPONENTS: list[tuple[str, float, float, float, float, tuple[int, ...]]] = [
-    ("HTTP server\n(OpenAI API)", 0.1, 2.3, 1.9, 0.9, (10, 15)),
+    ("HTTP server\n(OpenAI API)", 0.1, 2.3, 1.9, 0.9, (10, 15, 17)),
     ("async engine,\nengine loop", 2.3, 2.3, 1.9, 0.9, (6, 10, 11)),
     ("scheduler\n+ policies", 4.5, 2.3, 1.9, 0.9, (6, 13, 14)),
     ("block manager,\nprefix cache", 6.7, 2.3, 1.9, 0.9, (4, 13)),
-    ("tensor-parallel\nworkers", 8.9, 2.3, 1.9, 0.9, (9,)),
+    ("tensor-parallel\nworkers", 8.9, 2.3, 1.9, 0.9, (9, 17)),
     ("model runner,\nCUDA graphs", 0.1, 0.9, 1.9, 0.9, (4, 7, 11, 14)),
     ("model layers,\nRoPE, new models", 2.3, 0.9, 1.9, 0.9, (1, 12, 16)),
     ("quantized\nlinears", 4.5, 0.9, 1.9, 0.9, (8,)),
@@ -129,6 +129,7 @@ ROADMAP_TITLES = {
     10: "serving", 11: "performance", 12: "long context and new models",
     13: "troubleshooting: the invariants of the bookkeeping", 14: "speculative decoding",
     15: "structured output", 16: "mixture of experts",
+    17: "deployment: images, Kubernetes, Ray, routing, capacity",
 }
 
 

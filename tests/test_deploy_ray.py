@@ -1,0 +1,90 @@
+"""Tensor parallelism with Ray placing the workers (nanovllm/deploy/ray_executor.py, chapter
+17 §4), on one local Ray cluster for the whole module (CPU, gloo): the same greedy tokens as
+one rank, the placement group's bundles, and a killed worker is an error, not a hang."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from course_ids import ENGINE
+from test_scheduler import make_tiny_llama
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine.executor import WorkerDiedError
+
+ray = pytest.importorskip("ray")
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9] * 7, list(range(10, 60))]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+TP = (*ENGINE, "09.row_shard", "09.vocab_embed")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """One local Ray cluster for every test here (starting one costs seconds). Ray's raylet
+    gives its dashboard agent a fixed 15 s to start (ray-project/ray#65983), which a badly
+    overloaded machine can miss: one retry, then a skip that says so."""
+    for attempt in range(2):
+        try:
+            ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+                     configure_logging=False)
+            break
+        except Exception as err:  # (Ray raises a bare Exception for this)
+            ray.shutdown()
+            if attempt == 1:
+                pytest.skip(f"a local Ray cluster did not start: {err}")
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return str(make_tiny_llama(tmp_path_factory.mktemp("tiny-llama-ray")))
+
+
+def options(**extra):
+    return {"num_kv_blocks": 64, "dtype": "float32", **extra}
+
+
+@pytest.mark.assignment(*TP)
+def test_ray_tp2_matches_one_rank(cluster, tiny):
+    with LLM(tiny, **options()) as llm:
+        expected = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    llm = LLM(tiny, **options(tensor_parallel_size=2, distributed_executor_backend="ray"))
+    try:
+        executor = llm.engine.runner.executor
+        assert type(executor).__name__ == "RayExecutor"
+        (worker,) = executor.workers
+        assert worker.poll() is None and worker.pid != os.getpid()
+        # the placement group holds one bundle per rank (rank 0's kept for this process)
+        (group,) = [g for g in ray.util.placement_group_table().values()
+                    if g["state"] == "CREATED"]
+        assert len(group["bundles"]) == 2
+        got = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    assert got == expected
+    # shutdown gave the bundles back
+    assert all(g["state"] == "REMOVED" for g in ray.util.placement_group_table().values())
+
+
+@pytest.mark.assignment(*TP)
+def test_a_killed_ray_worker_is_an_error_not_a_hang(cluster, tiny):
+    llm = LLM(tiny, **options(tensor_parallel_size=2, distributed_executor_backend="ray"))
+    try:
+        (worker,) = llm.engine.runner.executor.workers
+        os.kill(worker.pid, signal.SIGKILL)  # (a local cluster: the worker is on this host)
+        start = time.monotonic()
+        with pytest.raises(WorkerDiedError, match="rank 1"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert time.monotonic() - start < 30
+    finally:
+        llm.shutdown()
+
+
+def test_unknown_backend_is_refused(tiny):
+    with pytest.raises(ValueError, match="distributed_executor_backend"):
+        LLM(tiny, **options(distributed_executor_backend="slurm"))
