@@ -34,7 +34,7 @@
 #    and what the autoscaler does over that day (a simulation, labelled as one).
 #
 # Package modules taught here: `nanovllm/deploy/Dockerfile` and `nanovllm/deploy/k8s/*.yaml`
-# (read by `nanovllm/deploy/manifests.py`), `nanovllm/deploy/ray_executor.py`,
+# (read by `nanovllm/deploy/manifests.py`), `nanovllm/engine/ray_executor.py`,
 # `nanovllm/deploy/router.py`, `nanovllm/deploy/fleet.py` and `routing_bench.py`, and
 # `nanovllm/deploy/capacity.py`.
 #
@@ -223,7 +223,7 @@ if validator:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-from nanovllm.deploy import ray_executor
+from nanovllm.engine import ray_executor
 
 show_source(ray_executor.RayWorker.poll, ray_executor.RayExecutor.__init__)
 

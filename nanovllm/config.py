@@ -138,7 +138,7 @@ class EngineConfig:
     scheduler_policy: Any = "fcfs"  # a policy name or a Policy object (chapter 06)
     tensor_parallel_size: int = 1
     # Who starts ranks 1..N-1: "mp", child processes on this host (chapter 09), or "ray",
-    # workers Ray places on any node of its cluster (nanovllm/deploy/ray_executor.py, ch. 17)
+    # workers Ray places on any node of its cluster (nanovllm/engine/ray_executor.py, ch. 17)
     distributed_executor_backend: str = "mp"
     seed: int = 0
     # Which distribution SamplingParams.logprobs report (vLLM's names): the model's own

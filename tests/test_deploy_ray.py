@@ -1,4 +1,4 @@
-"""Tensor parallelism with Ray placing the workers (nanovllm/deploy/ray_executor.py, chapter
+"""Tensor parallelism with Ray placing the workers (nanovllm/engine/ray_executor.py, chapter
 17 §4), on one local Ray cluster for the whole module (CPU, gloo): the same greedy tokens as
 one rank, the placement group's bundles, and a killed worker is an error, not a hang."""
 

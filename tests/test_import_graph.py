@@ -28,7 +28,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "nanovllm"
 # The package's layers, top to bottom. A part (a subpackage, or a module directly under nanovllm/;
 # "__init__" is nanovllm/__init__.py) may import parts of its own layer or of the layers below it.
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
-    ("tools", frozenset({"benchmarks", "bench", "course", "demo", "evaluate", "viz"})),
+    ("tools", frozenset({"benchmarks", "bench", "course", "demo", "deploy", "evaluate", "viz"})),
     ("serve", frozenset({"serve"})),
     ("front door", frozenset({"__init__", "llm"})),
     ("engine", frozenset({"engine", "config"})),

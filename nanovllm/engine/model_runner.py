@@ -79,7 +79,7 @@ class ModelRunner:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             executor_class = TPExecutor
             if config.distributed_executor_backend == "ray":  # (chapter 17)
-                from nanovllm.deploy.ray_executor import RayExecutor as executor_class
+                from nanovllm.engine.ray_executor import RayExecutor as executor_class
             self.executor = executor_class(config, self.device)
         # A function of the device alone, not a bound method: handed to SamplingInputs, a
         # method would make the runner a reference cycle, which `del llm` could not free.
