@@ -85,11 +85,20 @@ weights: $(SETUP)
 demo: weights
 	$(PY) -m nanovllm.demo
 
+# The unit tests and the notebooks' nbval check are independent: on a 2-core machine they run
+# side by side (each mostly on one thread); nbval's report is printed when both are done.
 test: weights
-	$(PY) -m pytest tests -m "not gpu"
 ifneq ($(NOTEBOOKS),)
-	NANOVLLM_KEEP_FIGURES=1 $(PY) -m pytest --nbval chapters/ $(NBVAL)
+	@mkdir -p build
+	@NANOVLLM_KEEP_FIGURES=1 $(PY) -m pytest --nbval chapters/ $(NBVAL) >build/nbval.log 2>&1 & \
+	nbval=$$!; \
+	$(PY) -m pytest tests -m "not gpu"; tests=$$?; \
+	wait $$nbval; notebooks=$$?; \
+	echo "== nbval (chapters/, run alongside the tests above)"; cat build/nbval.log; \
+	echo "tests: exit $$tests, nbval: exit $$notebooks"; \
+	[ $$tests -eq 0 ] && [ $$notebooks -eq 0 ]
 else
+	$(PY) -m pytest tests -m "not gpu"
 	@echo "no chapters/*.ipynb yet: nbval skipped"
 endif
 
