@@ -377,31 +377,46 @@ print(assignment_table("15"))
 # %% [markdown]
 # ## Exercises
 #
-# **Exercise 1 — an automaton for `(yes|no)!?`.** Build a `DFA` that matches exactly "yes",
-# "no", "yes!" and "no!". The check runs `dfa_mask` with it over a small vocabulary.
+# **Exercise 1 — an automaton for `(yes|no)!?`.** Write `yes_no_dfa()`: the transitions of a
+# DFA that matches exactly "yes", "no", "yes!" and "no!", in the toy DFA's shape -- a dict from
+# each state to a dict from a character to the next state -- with its start state 0 and its set
+# of accepting states. The check walks it, and computes its token mask over a small vocabulary
+# the way `dfa_mask` does (the exercises run without the package).
 
 # %% tags=["exercise"]
-from nanovllm.structured_output.toy_dfa import DFA
-
-
-def yes_no_dfa() -> DFA:
+def yes_no_dfa() -> tuple[dict[int, dict[str, int]], set[int]]:
+    """(transitions, accepting states) of a DFA for (yes|no)!? starting in state 0."""
     raise NotImplementedError("exercise 15.yes_no_dfa")
 
 
 # %% tags=["check", "raises-exception"]
-from nanovllm.structured_output.toy_dfa import dfa_mask
+transitions, accepting = yes_no_dfa()
 
-d = yes_no_dfa()
+
+def walk(state, text):
+    for ch in text:
+        state = transitions.get(state, {}).get(ch)
+        if state is None:
+            return None
+    return state
+
+
+def matches(text):
+    return walk(0, text) in accepting
+
+
 for text, ok in [("yes", True), ("no!", True), ("yes!!", False), ("ye", False), ("", False)]:
-    assert d.matches(text) == ok, text
+    assert matches(text) == ok, text
 vocab = ["<eos>", "y", "yes", "yes!", "no", "!", "n", "o!"]
-assert dfa_mask(d, d.start, vocab, eos_id=0) == {1, 2, 3, 4, 6}
+allowed = {t for t, tok in enumerate(vocab) if t > 0 and walk(0, tok) is not None}
+assert allowed == {1, 2, 3, 4, 6}, allowed
+assert 0 not in accepting  # so EOS is not allowed at the start
 print("Exercise 1 passed")
 
 # %% [markdown]
 # **Exercise 2 — pack a mask.** Write `pack(allowed, vocab_size)`: the int32 words of a packed
-# bitmask for the set of allowed token ids (bit `t % 32` of word `t // 32`). The check applies
-# your words with `apply_token_bitmask`.
+# bitmask for the set of allowed token ids (bit `t % 32` of word `t // 32`; a word whose bit 31
+# is set is negative as an int32). The check unpacks your words and compares.
 
 # %% tags=["exercise"]
 import torch
@@ -414,12 +429,11 @@ def pack(allowed: set[int], vocab_size: int) -> torch.Tensor:
 # %% tags=["check", "raises-exception"]
 import torch
 
-from nanovllm.structured_output.masks import apply_token_bitmask
-
-for allowed, v in [({0, 31, 32, 63}, 64), ({5, 69}, 70), (set(), 10)]:
+for allowed, v in [({0, 31, 32, 63}, 64), ({5, 69}, 70), (set(), 10), (set(range(40)), 40)]:
     words = pack(allowed, v)
-    out = apply_token_bitmask(torch.zeros(1, v), words[None].to(torch.int32), torch.tensor([0]))
-    assert set(torch.isfinite(out[0]).nonzero().flatten().tolist()) == allowed, allowed
+    assert words.dtype == torch.int32 and words.shape == ((v + 31) // 32,), words
+    unpacked = {t for t in range(v) if (int(words[t // 32]) >> (t % 32)) & 1}
+    assert unpacked == allowed, (allowed, unpacked)
 print("Exercise 2 passed")
 
 # %% [markdown]
