@@ -642,4 +642,5 @@ except ValueError as err:
 #   visibly, never silently wrong.
 
 # %%
+# NBVAL_IGNORE_OUTPUT
 print(f"chapter ran in {time.perf_counter() - chapter_start:.0f} s")

@@ -28,3 +28,5 @@ ENGINE = MODEL + (
     *SCHEDULER,
     "04.prepare",
 )
+# The engine for its first step only (a prefill: no decode attention runs yet).
+FIRST_STEP = tuple(a for a in ENGINE if a != "03.decode_attention")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from course_ids import ENGINE
+from course_ids import ENGINE, FIRST_STEP
 from test_scheduler import PROMPTS, make_llm, make_tiny_llama, one_torch_thread  # noqa: F401
 
 from nanovllm import SamplingParams
@@ -146,7 +146,7 @@ def test_planted_leak_is_caught_and_named(tiny, async_scheduling):
     assert leaked == held, message
 
 
-@pytest.mark.assignment(*ENGINE, CHECK)
+@pytest.mark.assignment(*FIRST_STEP, CHECK)
 def test_a_single_check_names_the_leak_it_saw_alive(tiny):
     """Called by hand: the check names a leaker it saw alive at an earlier call; the blocks
     are reported in any case."""
@@ -162,7 +162,7 @@ def test_a_single_check_names_the_leak_it_saw_alive(tiny):
         engine.check_invariants()  # (no longer named: forgotten after one report)
 
 
-@pytest.mark.assignment(*ENGINE, CHECK)
+@pytest.mark.assignment(*FIRST_STEP, CHECK)
 def test_corrupted_prefix_index_is_caught(tiny):
     llm = make_llm(tiny, num_kv_blocks=32)
     engine = llm.engine
