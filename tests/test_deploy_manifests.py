@@ -126,10 +126,11 @@ def test_deployment_probes_and_drain_fit_the_server():
 
 def server_metric_names() -> set[str]:
     """The metric families the server's /metrics exports, read from a rendering."""
+    from nanovllm.engine.metrics import EngineLoad, EngineStats
     from nanovllm.serve.metrics import ServerMetrics
 
-    engine = SimpleNamespace(scheduler=SimpleNamespace(running=[], waiting=[]),
-                             block_manager=SimpleNamespace(usage=0.0, prefix_hit_rate=0.0))
+    # what ServerMetrics reads of an engine (LLMEngine or EngineCoreClient)
+    engine = SimpleNamespace(stats=EngineStats(), load=lambda: EngineLoad(0, 0, 0.0, 0.0))
     text = ServerMetrics(engine, "m").render().decode()
     return set(re.findall(r"^# TYPE (\S+) ", text, flags=re.M))
 
