@@ -56,3 +56,18 @@ def wait_until_idle(engine: AsyncEngine, timeout: float = 30.0) -> None:
         time.sleep(0.02)
     if hasattr(core, "block_manager"):  # in this process: the exact count
         assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
+
+
+def wait_for_health(proc, url: str, timeout: float = 120.0) -> None:
+    """Until the server process ``proc`` answers 200 on ``url``/health (or fail with its log)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, proc.stdout.read().decode()
+        assert time.monotonic() < deadline, "the server did not come up"
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.2)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serve_helpers import make_tiny_chat_model, wait_until_idle
+from serve_helpers import make_tiny_chat_model, wait_for_health, wait_until_idle
 from test_scheduler import make_llm, one_torch_thread  # noqa: F401
 from test_serve_cli import free_port
 
@@ -144,15 +144,7 @@ def test_the_server_process_exits_1_when_its_core_dies(tiny):
     proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        wait_for_health(proc, f"http://127.0.0.1:{port}")
         cores = [c for c in children(proc.pid)
                  if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
         assert len(cores) == 1, children(proc.pid)

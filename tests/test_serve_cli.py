@@ -16,7 +16,7 @@ import time
 
 import httpx
 import pytest
-from serve_helpers import make_tiny_chat_model
+from serve_helpers import make_tiny_chat_model, wait_for_health
 
 from nanovllm.serve.cli import main
 
@@ -51,15 +51,7 @@ def test_sigterm_drains_then_exits(tiny):
            "--option", "num_kv_blocks=1024"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        wait_for_health(proc, url)
         # A finishes within the grace period; B (8,000 tokens) cannot
         bodies = {"short": 30, "long": 8000}
         events = {name: [] for name in bodies}
