@@ -35,7 +35,8 @@
 #
 # Package modules taught here: `nanovllm/deploy/Dockerfile` and `nanovllm/deploy/k8s/*.yaml`
 # (read by `nanovllm/deploy/manifests.py`), `nanovllm/engine/ray_executor.py`,
-# `nanovllm/deploy/router.py`, `nanovllm/deploy/fleet.py` and `routing_bench.py`, and
+# `nanovllm/deploy/router.py` and `nanovllm/deploy/fleet.py` (measured by
+# `nanovllm/benchmarks/routing.py`), and
 # `nanovllm/deploy/capacity.py`.
 #
 # **Said plainly:** no container runtime and no Kubernetes cluster exist on the machines
@@ -332,7 +333,7 @@ print("prefix-aware finds more of the prompts in cache than round-robin:",
 # %% [markdown]
 # ### Recorded: 2 and 4 replicas
 #
-# `python -m nanovllm.deploy.routing_bench` runs the same comparison at a larger scale and
+# `python -m nanovllm.benchmarks.routing` runs the same comparison at a larger scale and
 # records it (`figures/data/routing_cpu.json`: SmolLM2's shape cut to 4 layers, random
 # weights; the record holds the workload). On the H200, `tests/gpu/deploy_h200.sh` runs two
 # replicas of the Qwen3-0.6B shape sharing one GPU with full-length prompts; its record is

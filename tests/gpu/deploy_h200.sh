@@ -10,7 +10,7 @@
 set -u
 OUT=${OUT:-/tmp/nanovllm-deploy}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TQDM_DISABLE=1
-BENCH="python3 -m nanovllm.deploy.routing_bench --model qwen3-0.6b --replicas 2 --tenants 16
+BENCH="python3 -m nanovllm.benchmarks.routing --model qwen3-0.6b --replicas 2 --tenants 16
        --per-tenant 8 --length-scale 1 --rate 32 --gpu-memory-utilization 0.45"
 run() { local name=$1; shift; echo "== $name"; local t0=$SECONDS
   timeout 600 "$@" >"$OUT/$name.log" 2>&1; echo "   rc=$? in $((SECONDS - t0)) s"

@@ -1,6 +1,6 @@
 """Cache-aware routing against round-robin, measured (chapter 17 §5):
 
-    python -m nanovllm.deploy.routing_bench --replicas 2 --out figures/data/routing_cpu.json
+    python -m nanovllm.benchmarks.routing --replicas 2 --out figures/data/routing_cpu.json
 
 builds ``--replicas`` engines of one model in this process, replays the multi-tenant
 shared-prefix workload (``fleet.tenant_workload``) through each router in turn (prefix
@@ -30,7 +30,7 @@ from nanovllm.deploy.router import PrefixAwareRouter, RoundRobinRouter
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m nanovllm.deploy.routing_bench",
+    p = argparse.ArgumentParser(prog="python -m nanovllm.benchmarks.routing",
                                 description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="a model folder, a shipped config name (random weights) or "
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
         "date": datetime.date.today().isoformat(),
         # (other jobs on the machine: a CPU clock leaves them out, a GPU one does not)
         "load_average_at_end": round(os.getloadavg()[0], 2),
-        "command": "python -m nanovllm.deploy.routing_bench " + shlex.join(argv or sys.argv[1:]),
+        "command": "python -m nanovllm.benchmarks.routing " + shlex.join(argv or sys.argv[1:]),
         "model": args.model or path, "block_size": block_size,
         "kv_blocks_per_replica": num_blocks,
         "workload": {"tenants": args.tenants, "per_tenant": args.per_tenant,
