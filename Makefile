@@ -86,16 +86,21 @@ demo: weights
 	$(PY) -m nanovllm.demo
 
 # The unit tests and the notebooks' nbval check are independent: on a 2-core machine they run
-# side by side (each mostly on one thread); nbval's report is printed when both are done.
+# side by side (each mostly on one thread). The tests marked `notebook_stream` (the longest
+# ones) run after nbval in the second stream, so that the two streams end about together; that
+# stream's report is printed when both are done.
 test: weights
 ifneq ($(NOTEBOOKS),)
 	@mkdir -p build
-	@NANOVLLM_KEEP_FIGURES=1 $(PY) -m pytest --nbval chapters/ $(NBVAL) >build/nbval.log 2>&1 & \
-	nbval=$$!; \
-	$(PY) -m pytest tests -m "not gpu"; tests=$$?; \
-	wait $$nbval; notebooks=$$?; \
-	echo "== nbval (chapters/, run alongside the tests above)"; cat build/nbval.log; \
-	echo "tests: exit $$tests, nbval: exit $$notebooks"; \
+	@( NANOVLLM_KEEP_FIGURES=1 $(PY) -m pytest --nbval chapters/ $(NBVAL); nb=$$?; \
+	   $(PY) -m pytest tests -m "notebook_stream and not gpu"; late=$$?; \
+	   [ $$nb -eq 0 ] && [ $$late -eq 0 ] ) >build/nbval.log 2>&1 & \
+	second=$$!; \
+	$(PY) -m pytest tests -m "not gpu and not notebook_stream"; tests=$$?; \
+	wait $$second; notebooks=$$?; \
+	echo "== nbval (chapters/) and the notebook_stream tests, run alongside the tests above"; \
+	cat build/nbval.log; \
+	echo "tests: exit $$tests, nbval and notebook_stream tests: exit $$notebooks"; \
 	[ $$tests -eq 0 ] && [ $$notebooks -eq 0 ]
 else
 	$(PY) -m pytest tests -m "not gpu"

@@ -155,6 +155,7 @@ def test_one_region_cut_costs_exactly_its_points(tmp_path, assignment):
         assert test["outcome"] == expected, test
 
 
+@pytest.mark.notebook_stream  # ~12 min on 2 cores: balances make test's streams
 def test_the_reference_scores_full_marks():
     result = _grade()
     for report in result["chapters"].values():
