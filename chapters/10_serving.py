@@ -206,7 +206,10 @@ headers = dict(line.split(": ", 1) for line in header_lines)
 events = [line[len("data: "):] for line in payload.split("\n") if line.startswith("data: ")]
 print(status_line)
 print("content-type:", headers.get("content-type"))
-print(f"{len(events)} events, the last one {events[-1]!r}")
+# How many events carry the 12 tokens depends on timing (a step's tokens share one event when
+# the reader falls behind), so the checked output says only that the answer came in pieces.
+print(f"streamed in {'several events' if len(events) > 2 else 'one piece'}, "
+      f"the last one {events[-1]!r}")
 chunks = [json.loads(e) for e in events[:-1]]
 streamed = "".join(c["choices"][0]["text"] for c in chunks)
 print(f"first event's object: {chunks[0]['object']!r}; "
@@ -218,6 +221,7 @@ print("streamed text equals LLM.generate's:", streamed == reference.text)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
+print(f"{len(events)} events")
 print(head[:200], "\n...")
 print(payload[:400].rstrip(), "\n...\n", payload[-60:].strip())
 
