@@ -713,11 +713,27 @@ for frame, share in api_profile["self"][:12]:
 # The event loop's share goes to the web stack's per-event path (uvicorn's `send`, starlette's
 # response wrappers), building and dumping a pydantic model per chunk, JSON encoding and
 # detokenization; the engine thread's to reading the core's messages and handing tokens to the
-# streams. So the next steps are in the API process: write each chunk from a preformatted
-# string instead of a pydantic model, move detokenization off the event loop (vLLM detokenizes
-# in the output handler, in bulk per step), and, beyond that, more than one API process in
-# front of one engine core (vLLM's `--api-server-count`). The book records the gap rather than
-# hiding it: a server as fast as its engine is not reached yet.
+# streams. So the next steps are in the API process. The first is taken since that profile:
+# a plain chunk (text and tokens, no logprobs) is written into an event string preformatted
+# once per request (`EventTemplate` in `nanovllm/serve/formats.py`) instead of a pydantic
+# model built and dumped per token; `tests/test_serve_events.py` holds both to the same bytes,
+# and the cell below times both on this machine. Still to do: detokenization off the event
+# loop (vLLM detokenizes in the output handler, in bulk per step) and, beyond that, more than
+# one API process in front of one engine core (vLLM's `--api-server-count`). The book records
+# the gap rather than hiding it: a server as fast as its engine is not reached yet.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+from nanovllm.outputs import StreamChunk
+from nanovllm.serve.formats import CompletionFormat
+
+fmt = CompletionFormat("cmpl-demo", "smollm2", logprobs=False, token_ids=False)
+stream = [StreamChunk("demo", [i], f" word{i}") for i in range(5000)]
+for label, write in (("preformatted template", fmt.chunk), ("pydantic model", fmt.model_chunk)):
+    start = time.perf_counter()
+    for chunk in stream:
+        write(0, chunk, None)
+    print(f"{label:>22}: {(time.perf_counter() - start) / len(stream) * 1e6:5.1f} µs per event")
 #
 # The same comparison on this project's 2-core CPU, with SmolLM2 (32 requests, 2 clients:
 # small enough for a chapter). Two cores are shared by the engine core, the API process, the

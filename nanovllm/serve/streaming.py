@@ -76,11 +76,11 @@ async def merge(streams: list[AsyncRequestStream]) -> AsyncIterator[tuple[int, S
 
 
 class Formatter(Protocol):
-    """Turns a request's chunks into OpenAI's chunk objects (``formats.py``)."""
+    """Turns a request's chunks into events carrying OpenAI's chunk objects (``formats.py``)."""
 
-    def prelude(self) -> list[dict]: ...
-    def chunk(self, choice: int, chunk: StreamChunk, usage: dict | None) -> dict | None: ...
-    def usage_chunk(self, usage: dict) -> dict: ...
+    def prelude(self) -> list[str]: ...
+    def chunk(self, choice: int, chunk: StreamChunk, usage: dict | None) -> str | None: ...
+    def usage_chunk(self, usage: dict) -> str: ...
 
 
 class StreamTally:
@@ -118,7 +118,7 @@ async def sse_events(
     sent as an error event (the status line is long gone), then ``[DONE]``."""
     try:
         for event in formatter.prelude():
-            yield sse(event)
+            yield event
         async with aclosing(merge(streams)) as chunks:
             async for prompt, chunk in chunks:
                 choice = tally.add(prompt, chunk)
@@ -127,9 +127,9 @@ async def sse_events(
                 usage = tally.usage() if continuous_usage else None
                 event = formatter.chunk(choice, chunk, usage)
                 if event is not None:
-                    yield sse(event)
+                    yield event
         if include_usage:
-            yield sse(formatter.usage_chunk(tally.usage()))
+            yield formatter.usage_chunk(tally.usage())
     except APIError as err:
         yield sse(err.body())
     except Exception as err:  # e.g. EngineError: the engine died under this request
