@@ -66,7 +66,6 @@ show_roadmap(10)
 # %%
 # NBVAL_IGNORE_OUTPUT
 import concurrent.futures
-import inspect
 import json
 import platform
 import shutil

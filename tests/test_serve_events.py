@@ -11,7 +11,8 @@ import pytest
 from nanovllm.outputs import StreamChunk
 from nanovllm.serve.formats import ChatFormat, CompletionFormat
 
-TEXTS = ["", "Hello", ' "quoted" ', "line\nbreak\ttab", "naïve café ☕", "\\back\\slash", "\x00\x1f"]
+TEXTS = ["", "Hello", ' "quoted" ', "line\nbreak\ttab", "naïve café ☕", "\\back\\slash",
+         "\x00\x1f"]
 
 
 def random_chunk(rng: random.Random) -> StreamChunk:
