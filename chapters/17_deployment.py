@@ -425,7 +425,8 @@ print(f"within the SLO: {per_replica:.1f} req/s per replica, holding "
 # a **simulation** of Kubernetes' rule over a fluid queue: each metric asks for
 # `ceil(replicas × metric / target)`; scale-up adds a limited number of pods per period, a
 # new pod serves only after its start-up (weights, kernels, `/health`), and scale-down takes
-# the highest wish of its stabilization window (the rule is printed below Figure 17.2).
+# the highest wish of its stabilization window and then removes a limited number of pods per
+# period (the rule is printed below Figure 17.2).
 
 # %%
 trace = capacity.day_trace(peak_rps=400, trough_rps=40, step_s=60)
@@ -464,7 +465,8 @@ figure(fig, "17_capacity_day",
 print(f"rule: targets {rule.target_waiting:g} waiting / {rule.target_running:g} running per pod,"
       f" replicas {rule.min_replicas}..{rule.max_replicas}, up {rule.scale_up_pods} pods per "
       f"{rule.scale_up_period_s:g} s, pods ready {rule.startup_s:g} s after the decision, "
-      f"scale-down window {rule.scale_down_window_s:g} s")
+      f"scale-down window {rule.scale_down_window_s:g} s, then {rule.scale_down_pods} pods "
+      f"per {rule.scale_down_period_s:g} s")
 print(f"planner: {sum(planned) / 60:.0f} replica-hours, peak {max(planned)} replicas")
 for name, run in simulations.items():
     hours_used = sum(run["replicas"]) * rule.sync_s / 3600

@@ -79,3 +79,20 @@ def test_manifest_running_target_fits_the_slo_rate(curve):
     in_flight = curve.in_flight(curve.max_rate(*SLO))
     assert rule.target_running <= in_flight < 1.25 * rule.target_running
     assert math.isclose(curve.in_flight(0), 0)
+
+
+def test_hpa_scale_down_follows_the_rate_policy(curve):
+    """A fall from peak to nothing: after the stabilization window, at most
+    ``scale_down_pods`` pods go per ``scale_down_period_s`` (hpa.yaml: 1 per 120 s)."""
+    rule = HPARule.from_manifest(k8s_objects()["HorizontalPodAutoscaler"], max_replicas=16)
+    assert (rule.scale_down_pods, rule.scale_down_period_s) == (1, 120)
+    run = simulate_hpa([400.0] * 30 + [0.0] * 60, 60, curve, rule)
+    replicas, times = run["replicas"], run["time_s"]
+    peak = max(replicas)
+    assert peak > rule.min_replicas + 2 and replicas[-1] == rule.min_replicas
+    for i, now in enumerate(times):  # any 120 s span loses at most one pod
+        later = [r for r, t in zip(replicas[i:], times[i:]) if t < now + rule.scale_down_period_s]
+        assert replicas[i] - min(later) <= rule.scale_down_pods
+    unlimited = dataclasses.replace(rule, scale_down_pods=peak)
+    fast = simulate_hpa([400.0] * 30 + [0.0] * 60, 60, curve, unlimited)["replicas"]
+    assert sum(fast) < sum(replicas)  # the policy is what slows the fall

@@ -10,7 +10,8 @@ the autoscaler's day is a simulation, and labelled as one.
 - ``replicas_needed``: the planner's answer for each moment, ``ceil(rate / max_rate)``;
 - ``simulate_hpa``: Kubernetes' rule on the waiting-queue metric (``k8s/hpa.yaml``) over a
   fluid queue: arrivals fill it, ``ready`` replicas drain it at the saturation rate, new
-  replicas serve only after ``startup_s`` (loading weights), scale-down waits out a window.
+  replicas serve only after ``startup_s`` (loading weights), scale-down waits out a window,
+  and each way at most so many pods change per period (the manifest's rate policies).
 """
 
 from __future__ import annotations
@@ -102,8 +103,9 @@ def replicas_needed(trace: list[float], per_replica_rps: float, minimum: int = 1
 
 @dataclass
 class HPARule:
-    """The parts of an autoscaling/v2 HorizontalPodAutoscaler this simulation follows (not
-    scale-down's rate policy: removals here are limited by the window alone)."""
+    """The parts of an autoscaling/v2 HorizontalPodAutoscaler this simulation follows: the
+    targets, the replica bounds, one ``Pods`` rate policy each way and scale-down's
+    stabilization window."""
 
     target_waiting: float  # averageValue of the per-pod waiting metric
     target_running: float | None  # ... of the running metric (None: not scaled on)
@@ -112,6 +114,8 @@ class HPARule:
     scale_up_pods: int  # at most this many pods added per scale_up_period_s
     scale_up_period_s: float
     scale_down_window_s: float  # stabilization: the highest wish over this window rules
+    scale_down_pods: int  # at most this many pods removed per scale_down_period_s
+    scale_down_period_s: float
     sync_s: float = 15.0  # the controller's period (kube-controller-manager's default)
     startup_s: float = 180.0  # a new pod's start: image, weights, kernels, /health
 
@@ -121,10 +125,14 @@ class HPARule:
         targets = {m["pods"]["metric"]["name"]: float(m["pods"]["target"]["averageValue"])
                    for m in spec["metrics"] if m["type"] == "Pods"}
         (up,) = spec["behavior"]["scaleUp"]["policies"]
+        (down,) = spec["behavior"]["scaleDown"]["policies"]
+        if up["type"] != "Pods" or down["type"] != "Pods":
+            raise ValueError("the simulation follows Pods policies only")
         rule = cls(targets["nanovllm_num_requests_waiting"],
                    targets.get("nanovllm_num_requests_running"), spec["minReplicas"],
                    spec["maxReplicas"], up["value"], up["periodSeconds"],
-                   spec["behavior"]["scaleDown"]["stabilizationWindowSeconds"])
+                   spec["behavior"]["scaleDown"]["stabilizationWindowSeconds"],
+                   down["value"], down["periodSeconds"])
         return dataclasses.replace(rule, **overrides)
 
 
@@ -137,7 +145,8 @@ def simulate_hpa(trace: list[float], step_s: float, curve: LatencyCurve, rule: H
     (``in_flight``), at most a saturated replica's."""
     dt = rule.sync_s
     ready, starting = rule.min_replicas, []  # starting: times pods become ready
-    queue, wishes, added = 0.0, [], []  # wishes: (time, desired); added: (time, pods)
+    queue, wishes = 0.0, []  # wishes: (time, desired)
+    added, removed = [], []  # (time, pods) changed within the rate policies' periods
     out = {"time_s": [], "rate": [], "replicas": [], "waiting": [], "ttft_p90": []}
     t, end = 0.0, len(trace) * step_s
     while t < end:
@@ -162,15 +171,17 @@ def simulate_hpa(trace: list[float], step_s: float, curve: LatencyCurve, rule: H
         wishes = [(w, d) for w, d in wishes if w > t - rule.scale_down_window_s] + [(t, desired)]
         desired = max(d for _, d in wishes) if desired < current else desired
         added = [(a, n) for a, n in added if a > t - rule.scale_up_period_s]
+        removed = [(r, n) for r, n in removed if r > t - rule.scale_down_period_s]
         room = rule.scale_up_pods - sum(n for _, n in added)
         if desired > current and room > 0:
             pods = min(desired - current, room)
             starting += [t + rule.startup_s] * pods
             added.append((t, pods))
         elif desired < current:  # pods still starting go first (as a ReplicaSet does)
-            surplus = current - desired
-            cancelled = min(surplus, len(starting))
+            surplus = min(current - desired, rule.scale_down_pods - sum(n for _, n in removed))
+            cancelled = min(max(surplus, 0), len(starting))
             starting = starting[:len(starting) - cancelled]
-            ready -= surplus - cancelled
+            ready -= max(surplus, 0) - cancelled
+            removed.append((t, max(surplus, 0)))
         t += dt
     return out
