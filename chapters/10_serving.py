@@ -727,12 +727,17 @@ from nanovllm.outputs import StreamChunk
 from nanovllm.serve.formats import CompletionFormat
 
 fmt = CompletionFormat("cmpl-demo", "smollm2", logprobs=False, token_ids=False)
-stream = [StreamChunk("demo", [i], f" word{i}") for i in range(5000)]
-for label, write in (("preformatted template", fmt.chunk), ("pydantic model", fmt.model_chunk)):
-    start = time.perf_counter()
-    for chunk in stream:
-        write(0, chunk, None)
-    print(f"{label:>22}: {(time.perf_counter() - start) / len(stream) * 1e6:5.1f} µs per event")
+stream = [StreamChunk("demo", [i], f" word{i}") for i in range(2000)]
+ways = {"preformatted template": fmt.chunk, "pydantic model": fmt.model_chunk}
+best = dict.fromkeys(ways, float("inf"))
+for _ in range(5):  # interleaved rounds, the best of each: a shared machine's noise is one-sided
+    for label, write in ways.items():
+        start = time.perf_counter()
+        for chunk in stream:
+            write(0, chunk, None)
+        best[label] = min(best[label], (time.perf_counter() - start) / len(stream))
+for label, seconds in best.items():
+    print(f"{label:>22}: {seconds * 1e6:5.1f} µs per event")
 #
 # The same comparison on this project's 2-core CPU, with SmolLM2 (32 requests, 2 clients:
 # small enough for a chapter). Two cores are shared by the engine core, the API process, the
