@@ -35,7 +35,7 @@
 #
 # Package modules taught here: `nanovllm/deploy/Dockerfile` and `nanovllm/deploy/k8s/*.yaml`
 # (read by `nanovllm/deploy/manifests.py`), `nanovllm/engine/ray_executor.py`,
-# `nanovllm/deploy/router.py` and `nanovllm/deploy/fleet.py` (measured by
+# `nanovllm/deploy/router.py` and `nanovllm/benchmarks/fleet.py` (measured by
 # `nanovllm/benchmarks/routing.py`), and
 # `nanovllm/deploy/capacity.py`.
 #
@@ -72,7 +72,7 @@ from IPython.display import Markdown, display
 
 from nanovllm import LLM, smollm2_path
 from nanovllm.deploy import capacity, manifests
-from nanovllm.deploy.fleet import run_fleet, tenant_workload
+from nanovllm.benchmarks.fleet import run_fleet, tenant_workload
 from nanovllm.deploy.router import PrefixAwareRouter, RoundRobinRouter, block_hashes
 from nanovllm.serve.cli import add_serve_arguments, config_from_args
 from nanovllm.serve.server import SHUTDOWN_MARGIN

@@ -12,7 +12,7 @@ import pytest
 from course_ids import ENGINE
 from test_scheduler import make_llm, make_tiny_llama
 
-from nanovllm.deploy.fleet import run_fleet, tenant_workload
+from nanovllm.benchmarks.fleet import run_fleet, tenant_workload
 from nanovllm.deploy.router import PrefixAwareRouter, RoundRobinRouter, block_hashes
 from nanovllm.engine.block_manager import chain_hash
 

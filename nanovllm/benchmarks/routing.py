@@ -25,7 +25,7 @@ import torch
 from nanovllm import LLM
 from nanovllm.benchmarks.workload import resolve_model, warm_up
 from nanovllm.configs import config_path
-from nanovllm.deploy.fleet import run_fleet, tenant_workload
+from nanovllm.benchmarks.fleet import run_fleet, tenant_workload
 from nanovllm.deploy.router import PrefixAwareRouter, RoundRobinRouter
 
 
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
             llm.shutdown()
     record = {
         "what": "cache-aware routing vs round-robin: engine replicas in one process, each on "
-                "its own clock of measured step times (nanovllm/deploy/fleet.py)",
+                "its own clock of measured step times (nanovllm/benchmarks/fleet.py)",
         "clock": "wall-clock seconds" if device == "cuda" else
                  "CPU seconds of this process (all torch threads), not wall-clock",
         "device": torch.cuda.get_device_name() if device == "cuda" else
