@@ -91,7 +91,7 @@ def test_the_first_layer_as_a_model_drafts_as_draft_layers_does(models, referenc
     layers = {"method": "draft_layers", "num_layers": 1, "num_speculative_tokens": 3}
     runs = [generate(models["self"], PROMPTS, speculative_config=spec)
             for spec in (draft(models["first-layer"]), layers)]
-    for llm, outs in runs:
+    for _, outs in runs:
         assert [o.token_ids for o in outs] == reference
     separate, inside = (llm.engine.speculator.stats for llm, _ in runs)
     assert separate.num_accepted_tokens_per_pos == inside.num_accepted_tokens_per_pos
@@ -104,6 +104,9 @@ def test_random_weights_draft_for_themselves(models):
     llm, _ = generate(models["self"], PROMPTS[:2], params, load_format="dummy",
                       speculative_config=draft(models["other"]))
     assert llm.engine.speculator.stats.acceptance_rate == 1.0
+    proposer = llm.engine.speculator.proposer
+    llm.shutdown()  # the draft's weights and cache go with the target's
+    assert not hasattr(proposer, "kv_cache") and not hasattr(proposer, "model")
 
 
 def test_a_draft_of_another_vocabulary_is_refused(models, tmp_path):

@@ -68,9 +68,9 @@ class DraftModelProposer(DraftLayersProposer):
         check_same_vocabulary(runner.model_config, self.model_config, target_tokenizer, folder)
         self._check_window_and_length(config.max_model_len, folder)
         self.model = self._build(folder, config)
-        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self._check_room(runner.num_kv_blocks)
-        self.kv_cache = kv_cache.allocate_kv_cache(self.model_config, layers,
+        self.kv_cache = kv_cache.allocate_kv_cache(self.model_config, self.layers,
                                                    runner.num_kv_blocks, runner.block_size,
                                                    runner.kv_dtype, runner.device)
 
@@ -132,3 +132,12 @@ class DraftModelProposer(DraftLayersProposer):
         at the same slots (its hidden states are not needed)."""
         with attention_metadata(step.meta):
             self.model(step.input_ids, step.positions)
+
+    def release(self) -> None:
+        """Drop the draft's weights and cache (``LLM.shutdown``: the runner then hands the
+        freed memory back to the driver)."""
+        for layer in self.layers:
+            layer.k_cache = layer.v_cache = torch.empty(0)
+        self.layers = []
+        self.__dict__.pop("model", None)
+        self.__dict__.pop("kv_cache", None)

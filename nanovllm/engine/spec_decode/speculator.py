@@ -104,6 +104,12 @@ class Speculator:
             self.proposer = DraftLayersProposer(runner, config.num_layers, k)
         self.stats = SpecDecodeStats(k)
 
+    def release(self) -> None:
+        """Give back what the proposer holds on the device (a draft model's weights and
+        cache), before the runner gives back its own (``LLMEngine.shutdown``)."""
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.release()
+
     @staticmethod
     def check_params(params: SamplingParams) -> None:
         """Refuse a request whose sampling settings speculation does not apply."""
