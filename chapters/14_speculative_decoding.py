@@ -28,14 +28,15 @@
 #    step then yields: $(1-\alpha^{k+1})/(1-\alpha)$ for acceptance rate $\alpha$.
 # 2. Greedy speculation built small, and shown equal to the package's.
 # 3. Rejection sampling built small, and the distribution test that proves it exact.
-# 4. Two proposers: prompt lookup (n-gram) on a repetitive workload, and the target's own
-#    first layers (self-speculation) on real SmolLM2 text, with acceptance by position.
+# 4. Three proposers: prompt lookup (n-gram) on a repetitive workload, the target's own
+#    first layers (self-speculation) on real SmolLM2 text, with acceptance by position, and a
+#    separate draft model with its own KV cache.
 # 5. Where speculation stops paying, and why.
 #
 # Package modules taught here: `nanovllm/speculative_config.py` (vLLM's `speculative_config`
 # keys, validated), `nanovllm/engine/spec_decode/` (`ngram_proposer.py`, `draft_layers.py`,
-# `rejection_sampler.py`, `scheduling.py`: slots, proposals into the step and the rollback;
-# `speculator.py`: one speculative step), the one update path
+# `draft_model.py`, `rejection_sampler.py`, `scheduling.py`: slots, proposals into the step
+# and the rollback; `speculator.py`: one speculative step), the one update path
 # (`Scheduler.update_from_output`), and `nanovllm/benchmarks/spec_decode.py`.
 #
 # The chapter runs in about two minutes on a 2-core CPU: tiny random models for the exactness
@@ -386,7 +387,7 @@ figure(fig, "14_speculative_decoding_distribution_test",
 # (`tests/test_spec_decode_sampler.py` runs it with a threshold of 0.001).
 
 # %% [markdown]
-# ## 4. Two proposers
+# ## 4. Three proposers
 #
 # ### Prompt lookup (n-gram)
 #
@@ -498,6 +499,70 @@ figure(fig, "14_speculative_decoding_smollm2_acceptance",
 # or Medusa heads, LayerSkip training). The mechanism, and its exactness, are what this
 # chapter builds; the package takes `{"method": "draft_layers", "num_layers": n}` for any
 # model it loads, and a trained early-exit model would plug in unchanged.
+
+# %% [markdown]
+# ### A separate draft model
+#
+# The classic draft is a small model of the target's family: trained on the same data, with
+# the same tokenizer, a tenth of the size (Qwen3-0.6B for Qwen3-8B, which share a
+# vocabulary). vLLM's key is `{"model": path, "num_speculative_tokens": k}`; the package takes
+# any folder it loads, with any number of layers and any width, but the *same vocabulary*: a
+# proposal is a token id the target scores, so a draft whose ids mean other tokens is refused
+# when the engine is built.
+#
+# The draft needs its own KV cache, and the question is who owns it. `draft_model.py` gives
+# the draft a cache tensor of its own shape indexed by the *target's* block ids: a token's
+# draft keys and values sit at the same slot as its target keys and values. The block manager
+# stays the one writer of block tables (nothing is allocated, freed, preempted or
+# prefix-cached twice), and the proposer is the one writer of the draft's cache: it writes
+# its proposals into the reserved slots, then, after every verify pass, runs the draft over
+# the very tokens the target just computed (`follow`). Whatever the scheduler counts as
+# computed is then valid in both caches; a rejected proposal's slot is overwritten later in
+# both, exactly as with `draft_layers`.
+
+# %%
+from nanovllm.engine.spec_decode import draft_model  # noqa: E402
+
+show_source(draft_model.DraftModelProposer.follow)
+
+# %% [markdown]
+# Three drafts for the tiny target (two layers): the target itself, the target's first layer
+# saved as a model of its own (the `draft_layers` draft, with its own cache now), and an
+# unrelated random model. The output must not change; only the acceptance may.
+
+# %%
+from safetensors.torch import load_file  # noqa: E402
+
+first_layer = work / "tiny-first-layer"
+first_layer.mkdir(exist_ok=True)
+save_file({name: t for name, t in load_file(str(tiny / "model.safetensors")).items()
+           if ".layers.1." not in name}, str(first_layer / "model.safetensors"))
+(first_layer / "config.json").write_text(json.dumps(
+    json.loads((tiny / "config.json").read_text()) | {"num_hidden_layers": 1}))
+draft_folders = {"the target itself": tiny, "its first layer": first_layer,
+          "an unrelated model": tiny_llama(work / "tiny-other", vocab=1000, seed=1)}
+greedy16 = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+draft_acceptance = {}
+for name, folder in draft_folders.items():
+    draft_llm = LLM(tiny, num_kv_blocks=64, speculative_config={
+        "model": str(folder), "num_speculative_tokens": 3})
+    same = [o.token_ids for o in draft_llm.generate(prompts, greedy16, use_tqdm=False)] == plain
+    draft_acceptance[name] = draft_llm.engine.speculator.stats.acceptance_rate
+    print(f"draft = {name:19s}: output identical to no speculation: {same}; "
+          f"{draft_acceptance[name]:.0%} of proposals accepted")
+try:
+    LLM(tiny, num_kv_blocks=64, speculative_config={"model": str(tiny12),
+                                                     "num_speculative_tokens": 3})
+except ValueError as err:
+    print("refused:", str(err).replace(str(work), "<tmp>"))
+
+# %% [markdown]
+# A draft that is the target accepts every proposal (the check that its cache is kept right:
+# a stale draft cache would show here first); an unrelated model almost none, and the output
+# is the same all the same. A draft pays when its acceptance is high *and* its cost $c$ per
+# proposal small (section 1): the target's own first layer, free as `draft_layers`, costs a
+# second model's weights and cache as a separate draft. On a GPU the draft's cache comes on
+# top of the engine's `gpu_memory_utilization` share (the engine says so if it does not fit).
 
 # %% [markdown]
 # ## 5. Where speculation stops paying
@@ -635,7 +700,9 @@ except ValueError as err:
 #   (their slots are overwritten later).
 # - **Prompt lookup** is free and wins on repetitive text; **self-speculation** reuses the
 #   target's first layers and cache, and its worth depends on training: SmolLM2's early exits
-#   agree with the full model on part of the tokens only.
+#   agree with the full model on part of the tokens only. A **separate draft model** shares
+#   the target's vocabulary and block ids, with a cache of its own that its proposer alone
+#   writes (the proposals, then the verified step replayed).
 # - At large batch the step is compute-bound: rejected proposals cost real time, and
 #   speculation stops paying. What speculation does not support (async scheduling, CUDA
 #   graphs for its steps, penalties, logprobs, tensor parallelism) is refused or falls back

@@ -157,7 +157,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     # Speculative decoding (chapter 14), vLLM's keys: {"method": "ngram",
     # "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m} or
-    # {"method": "draft_layers", "num_layers": n, "num_speculative_tokens": k}. Parsed into a
+    # {"method": "draft_layers", "num_layers": n, "num_speculative_tokens": k} or
+    # {"model": draft_folder, "num_speculative_tokens": k}. Parsed into a
     # ``SpeculativeConfig`` here (``nanovllm/speculative_config.py``).
     speculative_config: Any = None
 

@@ -119,7 +119,7 @@ def test_max_model_len_is_respected(tiny, reference):
         ({"method": "draft_layers", "num_speculative_tokens": 2}, "num_layers"),
         ({**LAYERS, "num_layers": 2}, "fewer"),  # the tiny model has 2 layers
         ({**NGRAM, "typo": 1}, "unknown speculative_config key"),
-        ({"model": "/some/draft", "num_speculative_tokens": 2}, "not supported"),
+        ({"model": "/some/draft", "num_speculative_tokens": 2}, "config.json"),
         ("ngram", "must be a dict"),
     ],
 )

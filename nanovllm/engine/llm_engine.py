@@ -148,6 +148,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Give the GPU memory back and stop the tensor-parallel workers (chapter 09)."""
+        if self.speculator is not None:  # a draft model's weights and cache (chapter 14)
+            self.speculator.release()
         self.runner.shutdown()
 
     # -- the loop ------------------------------------------------------------------------

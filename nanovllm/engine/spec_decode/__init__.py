@@ -3,8 +3,8 @@ target forward pass, keep the longest prefix that exact rejection sampling accep
 
 ``nanovllm/speculative_config.py`` reads vLLM's ``speculative_config`` (a leaf module, so
 that ``EngineConfig`` can validate it without importing the engine); here,
-``ngram_proposer.py`` and ``draft_layers.py`` propose, ``rejection_sampler.py`` accepts or
-resamples, ``scheduling.py`` is the scheduler's half (slots for proposals, proposals into
-the step, rollback of rejected ones) and ``speculator.py`` runs one speculative step for the
-engine and counts acceptance.
+``ngram_proposer.py``, ``draft_layers.py`` and ``draft_model.py`` propose,
+``rejection_sampler.py`` accepts or resamples, ``scheduling.py`` is the scheduler's half
+(slots for proposals, proposals into the step, rollback of rejected ones) and
+``speculator.py`` runs one speculative step for the engine and counts acceptance.
 """

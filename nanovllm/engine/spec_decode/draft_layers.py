@@ -48,6 +48,11 @@ class DraftLayersProposer:
         x, _ = decoder.norm(x, residual)
         return x
 
+    def _logits(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The draft's logits for one token per sequence (a separate draft model, in
+        ``draft_model.py``, runs its own model here)."""
+        return self.runner.model.compute_logits(self._hidden(input_ids, positions))
+
     def _metadata(self, seqs: list[Sequence], positions: list[int]) -> AttentionMetadata:
         """One query token per sequence at ``positions``: a decode batch's metadata."""
         bs, to_device = self.runner.block_size, self.runner._to_device
@@ -87,9 +92,9 @@ class DraftLayersProposer:
             inputs = [last[rows.index(r)] if j == 0 else drafts[r][-1] for r in active]
             meta = self._metadata(picked, positions)
             with attention_metadata(meta):
-                hidden = self._hidden(runner._to_device(inputs, torch.int64),
+                logits = self._logits(runner._to_device(inputs, torch.int64),
                                       runner._to_device(positions, torch.int64))
-            dist = target_probs(runner.model.compute_logits(hidden), select_rows(sampling, active))
+            dist = target_probs(logits, select_rows(sampling, active))
             tokens = sample_rows(dist, [sampling.generators[r] for r in active],
                                  runner.sampler.generator).tolist()
             if probs is not None:

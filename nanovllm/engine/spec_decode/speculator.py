@@ -19,6 +19,7 @@ import torch
 
 from nanovllm.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from nanovllm.engine.spec_decode.draft_layers import DraftLayersProposer, select_rows
+from nanovllm.engine.spec_decode.draft_model import DraftModelProposer
 from nanovllm.engine.spec_decode.ngram_proposer import NgramProposer
 from nanovllm.engine.spec_decode.rejection_sampler import (
     rejection_sample,
@@ -96,9 +97,18 @@ class Speculator:
         k = config.num_speculative_tokens
         if config.method == "ngram":
             self.proposer = NgramProposer(k, config.prompt_lookup_min, config.prompt_lookup_max)
+        elif config.method == "draft_model":
+            self.proposer = DraftModelProposer(runner, config.model, k,
+                                               scheduler.stop_checker.tokenizer)
         else:
             self.proposer = DraftLayersProposer(runner, config.num_layers, k)
         self.stats = SpecDecodeStats(k)
+
+    def release(self) -> None:
+        """Give back what the proposer holds on the device (a draft model's weights and
+        cache), before the runner gives back its own (``LLMEngine.shutdown``)."""
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.release()
 
     @staticmethod
     def check_params(params: SamplingParams) -> None:
@@ -132,6 +142,8 @@ class Speculator:
         runner = self.runner
         step = runner.prepare(batch)  # pack_step reads the proposals as ordinary tokens
         hidden = runner._forward(step.input_ids, step.positions, step.meta, step.plan)
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.follow(step)  # its own cache: the same tokens at the same slots
         seqs = step.sample_seqs  # the rows that sample, decodes first
         if not seqs:
             return [None] * len(batch.seqs)
