@@ -3,9 +3,9 @@
 
 Options on the command line override the YAML file given with ``--config`` (see
 ``config.py`` for its fields); ``--option NAME=VALUE`` sets any other ``EngineConfig``
-field (the value is read as YAML: ``--option enforce_eager=true``);
-``--speculative-config`` takes vLLM's JSON (chapter 14). A bad option or config field exits
-with status 2 and a message naming it.
+field (the value is read as YAML: ``--option enforce_eager=true``); ``--speculative-config``
+takes vLLM's JSON (speculative decoding). A bad option or config field exits with status 2
+and a message naming it.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ ENGINE_FLAGS = (
     ("--load-format", "load_format", str, "safetensors, or dummy (random weights)"),
     ("--policy", "policy", str, "the scheduler's policy: fcfs, priority, fair or mixed"),
     ("--speculative-config", "speculative_config", json_value, "speculative decoding, vLLM's "
-     "JSON (chapter 14): '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'"),
+     "JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'"),
 )
 
 

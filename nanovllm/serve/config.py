@@ -12,7 +12,7 @@
     max_model_len: 4096
     policy: priority                 # fcfs | priority | fair | mixed (the scheduler's)
     engine: {enable_prefix_caching: true}
-    speculative_config: {method: ngram, num_speculative_tokens: 4}   # vLLM's keys (chapter 14)
+    speculative_config: {method: ngram, num_speculative_tokens: 4}   # vLLM's keys
     # admission
     max_queue_depth: 128             # sequences waiting beyond max_num_seqs, then 429 (1024)
     max_body_bytes: 16777216         # a larger request body is a 413, refused unread (16 MiB)

@@ -7,8 +7,8 @@ process reports with every step), and so are the engine's step times since the l
 ends (time to first token, time per output token, end-to-end latency, queue time; prompt
 and generated tokens; finished requests by reason, "abort" when the client left) or is
 turned away (rejections by reason: every error answer, 400s included, by its code).
-Speculative decoding's counters (chapter 14: requests' steps with proposals, proposed and
-accepted tokens, accepted tokens by position) follow the engine's step totals
+Speculative decoding's counters (requests' steps with proposals, proposed and accepted
+tokens, accepted tokens by position) follow the engine's step totals
 (``EngineStats``), read when Prometheus scrapes. Each server has its own registry, so several
 can live in one process (tests).
 """
