@@ -707,6 +707,9 @@ except ValueError as err:
 #   speculation stops paying. What speculation does not support (async scheduling, CUDA
 #   graphs for its steps, penalties, logprobs, tensor parallelism) is refused or falls back
 #   visibly, never silently wrong.
+# - The server takes the same `speculative_config`, as JSON after `--speculative-config` or as
+#   a mapping in its YAML file, and its `/metrics` counts proposed and accepted tokens, and the
+#   accepted ones by position (`nanovllm:spec_decode_*`, vLLM's names).
 
 # %%
 # NBVAL_IGNORE_OUTPUT

@@ -143,9 +143,11 @@ def run_engine_core(config: EngineConfig, commands: Connection, results: Connect
         core.run()
     except BaseException as exc:  # the parent turns this into an error for every request
         detail = "".join(traceback.format_exception(exc))
+        if core is None and isinstance(exc, ValueError):  # a bad option: its message says it
+            detail = ""
         try:
             kind = "ValueError" if isinstance(exc, ValueError) else type(exc).__name__
-            results.send(("failed", kind, f"{type(exc).__name__}: {exc}\n{detail}"))
+            results.send(("failed", kind, f"{type(exc).__name__}: {exc}\n{detail}".rstrip()))
         except OSError:
             pass
         sys.exit(1)

@@ -209,10 +209,11 @@ class LLMEngine:
     def _record_step(self, batch: SchedulerOutput, start: float) -> None:
         num_decodes, end = batch.num_decodes, time.perf_counter()
         sched, bm = self.scheduler, self.block_manager
+        spec = {} if self.speculator is None else self.speculator.last_step.step_fields()
         step = StepMetrics(
             self.stats.num_steps, start, end, len(batch), batch.num_tokens - num_decodes,
             num_decodes, len(sched.running), len(sched.waiting), bm.usage,
-            sched.num_preemptions, bm.prefix_hit_rate)
+            sched.num_preemptions, bm.prefix_hit_rate, **spec)
         self.stats.record(step)
         if self.timeline is not None:
             self.timeline.record(step.step, batch, start, end)

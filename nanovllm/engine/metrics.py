@@ -33,6 +33,12 @@ class StepMetrics:
     kv_usage: float  # fraction of KV blocks in use after the step
     num_preemptions: int  # since the engine started
     prefix_hit_rate: float  # since the engine started
+    # speculative decoding (chapter 14): requests that proposed, their proposals, the accepted
+    # ones, and the accepted ones by position j (the (j+1)-th proposal of a request's step)
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
     @property
     def wall_time(self) -> float:
@@ -53,9 +59,7 @@ class EngineStats:
 
     def __init__(self, max_steps: int = 10_000) -> None:
         self.steps: deque[StepMetrics] = deque(maxlen=max_steps)
-        self.num_steps = 0
-        self.num_prefill_tokens = 0
-        self.num_decode_tokens = 0
+        self.reset()
 
     def record(self, step: StepMetrics) -> None:
         """Keep one step's numbers (the engine measures them; ``step.step`` is its index)."""
@@ -63,11 +67,21 @@ class EngineStats:
         self.num_steps += 1
         self.num_prefill_tokens += step.num_prefill_tokens
         self.num_decode_tokens += step.num_decode_tokens
+        self.num_drafts += step.num_drafts
+        self.num_draft_tokens += step.num_draft_tokens
+        self.num_accepted_tokens += step.num_accepted_tokens
+        per_pos = self.num_accepted_tokens_per_pos
+        per_pos += [0] * (len(step.num_accepted_tokens_per_pos) - len(per_pos))
+        for j, accepted in enumerate(step.num_accepted_tokens_per_pos):
+            per_pos[j] += accepted
 
     def reset(self) -> None:
         """Forget every step so far (e.g. a warm-up before a measurement)."""
         self.steps.clear()
         self.num_steps = self.num_prefill_tokens = self.num_decode_tokens = 0
+        # speculative decoding's totals (the server's counters read these)
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.num_accepted_tokens_per_pos: list[int] = []
 
     def summary(self) -> dict[str, float]:
         """Step counts and mean step times since the start (or the last ``reset``)."""

@@ -3,16 +3,27 @@
 
 Options on the command line override the YAML file given with ``--config`` (see
 ``config.py`` for its fields); ``--option NAME=VALUE`` sets any other ``EngineConfig``
-field (the value is read as YAML: ``--option enforce_eager=true``). A bad option or
-config field exits with status 2 and a message naming it.
+field (the value is read as YAML: ``--option enforce_eager=true``); ``--speculative-config``
+takes vLLM's JSON (speculative decoding). A bad option or config field exits with status 2
+and a message naming it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from nanovllm.serve.config import ConfigError, load_config
+
+
+def json_value(text: str) -> object:
+    """A flag's JSON value, e.g. ``--speculative-config '{"method": "ngram", ...}'``."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not JSON ({err}): {text!r}") from None
+
 
 # (flag, config field, type, help)
 ENGINE_FLAGS = (
@@ -23,6 +34,8 @@ ENGINE_FLAGS = (
     ("--max-model-len", "max_model_len", int, "longest prompt + completion, in tokens"),
     ("--load-format", "load_format", str, "safetensors, or dummy (random weights)"),
     ("--policy", "policy", str, "the scheduler's policy: fcfs, priority, fair or mixed"),
+    ("--speculative-config", "speculative_config", json_value, "speculative decoding, vLLM's "
+     "JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'"),
 )
 
 

@@ -12,6 +12,7 @@
     max_model_len: 4096
     policy: priority                 # fcfs | priority | fair | mixed (the scheduler's)
     engine: {enable_prefix_caching: true}
+    speculative_config: {method: ngram, num_speculative_tokens: 4}   # vLLM's keys
     # admission
     max_queue_depth: 128             # sequences waiting beyond max_num_seqs, then 429 (1024)
     max_body_bytes: 16777216         # a larger request body is a 413, refused unread (16 MiB)
@@ -27,7 +28,8 @@
     engine_process: true             # the engine core in a process of its own (false: a thread)
 
 A wrong name or value raises ``ConfigError`` naming the field (``limits.burst must be an
-int >= 1, got 0``); engine option names are checked here, their values by ``EngineConfig``.
+int >= 1, got 0``); engine option names are checked here, their values by ``EngineConfig``,
+except ``speculative_config``'s, checked here too (``nanovllm/speculative_config.py``).
 """
 
 from __future__ import annotations
@@ -41,10 +43,11 @@ from typing import Any
 
 from nanovllm.config import EngineConfig
 from nanovllm.engine.policies import POLICIES
+from nanovllm.speculative_config import parse_speculative_config
 from nanovllm.validation import is_int, is_number
 
 ENGINE_SHORTCUTS = ("dtype", "quantization", "tensor_parallel_size", "max_num_seqs",
-                    "max_model_len", "load_format")
+                    "max_model_len", "load_format", "speculative_config")
 # top-level name -> EngineConfig field
 SHORTCUT_FIELDS = {**{name: name for name in ENGINE_SHORTCUTS}, "policy": "scheduler_policy"}
 
@@ -121,6 +124,10 @@ class ServeConfig:
         _no_unknown(where, "engine.", engine, engine_fields)
         policy = engine.get("scheduler_policy", "fcfs")
         _expect(where, "policy", policy, lambda p: p in POLICIES, f"one of {sorted(POLICIES)}")
+        try:  # (its keys and values, so that a typo stops the server before the model loads)
+            parse_speculative_config(engine.get("speculative_config"))
+        except ValueError as err:
+            raise ConfigError(f"{where}: {err}") from None
         check = lambda name, test, allowed: _expect(where, name, data.get(name), test, allowed)
         check("port", lambda p: p is None or (is_int(p) and 0 <= p < 65536), "a port number")
         check("host", lambda h: h is None or isinstance(h, str), "a host name or address")

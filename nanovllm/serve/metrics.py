@@ -6,8 +6,11 @@ process reports with every step), and so are the engine's step times since the l
 (``engine_step_seconds``); histograms and counters are updated when a request
 ends (time to first token, time per output token, end-to-end latency, queue time; prompt
 and generated tokens; finished requests by reason, "abort" when the client left) or is
-turned away (rejections by reason: every error answer, 400s included, by its code). Each
-server has its own registry, so several can live in one process (tests).
+turned away (rejections by reason: every error answer, 400s included, by its code).
+Speculative decoding's counters (requests' steps with proposals, proposed and accepted
+tokens, accepted tokens by position) follow the engine's step totals
+(``EngineStats``), read when Prometheus scrapes. Each server has its own registry, so several
+can live in one process (tests).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class ServerMetrics:
         self.registry = registry = CollectorRegistry()
         self.model_name = model_name
         self.engine_stats, self._steps_seen = engine.stats, engine.stats.num_steps
+        self._spec_seen = _spec_totals(engine.stats)
         label = ["model_name"]
 
         def gauge(name: str, doc: str, read) -> None:
@@ -74,8 +78,20 @@ class ServerMetrics:
                                 [*label, "finished_reason"], registry=registry)
         self.rejected = Counter("nanovllm:request_rejected", "Requests turned away, by reason.",
                                 [*label, "reason"], registry=registry)
+        spec = lambda name, doc, labels=(): Counter(  # noqa: E731
+            f"nanovllm:spec_decode_{name}", doc, [*label, *labels], registry=registry)
+        self.spec_drafts = spec("num_drafts", "Speculative decoding: (request, step) pairs "
+                                "with proposals.")
+        self.spec_draft_tokens = spec("num_draft_tokens", "Speculative decoding: tokens "
+                                      "proposed.")
+        self.spec_accepted_tokens = spec("num_accepted_tokens", "Speculative decoding: "
+                                         "proposed tokens accepted.")
+        self.spec_accepted_per_pos = spec("num_accepted_tokens_per_pos", "Speculative "
+                                          "decoding: accepted tokens by position in a request's "
+                                          "proposals (0: the first).", ["position"])
         for metric in (self.ttft, self.tpot, self.e2e, self.queue, self.step, self.prompt_tokens,
-                       self.generation_tokens):
+                       self.generation_tokens, self.spec_drafts, self.spec_draft_tokens,
+                       self.spec_accepted_tokens):
             metric.labels(model_name)  # every series exists from the start, at zero
 
     def observe(self, output: RequestOutput) -> None:
@@ -103,7 +119,22 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         self._observe_steps()
+        self._count_speculation()
         return generate_latest(self.registry)
+
+    def _count_speculation(self) -> None:
+        """Add what speculative decoding counted since the last scrape (nothing across an
+        ``EngineStats.reset``: a counter never goes down)."""
+        model, totals = self.model_name, _spec_totals(self.engine_stats)
+        drafts, draft_tokens, accepted, per_pos = totals
+        seen_drafts, seen_draft_tokens, seen_accepted, seen_per_pos = self._spec_seen
+        self._spec_seen = totals
+        self.spec_drafts.labels(model).inc(max(0, drafts - seen_drafts))
+        self.spec_draft_tokens.labels(model).inc(max(0, draft_tokens - seen_draft_tokens))
+        self.spec_accepted_tokens.labels(model).inc(max(0, accepted - seen_accepted))
+        for j, count in enumerate(per_pos):
+            before = seen_per_pos[j] if j < len(seen_per_pos) else 0
+            self.spec_accepted_per_pos.labels(model, str(j)).inc(max(0, count - before))
 
     def _observe_steps(self) -> None:
         """The engine's steps since the last scrape (as many as its stats still hold)."""
@@ -114,3 +145,9 @@ class ServerMetrics:
             hist = self.step.labels(self.model_name)
             for step in list(stats.steps)[-new:]:
                 hist.observe(step.wall_time)
+
+
+def _spec_totals(stats) -> tuple[int, int, int, tuple[int, ...]]:
+    """Speculative decoding's totals in ``stats`` (an ``EngineStats``), as a snapshot."""
+    return (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
+            tuple(stats.num_accepted_tokens_per_pos))

@@ -14,10 +14,13 @@ or a request is submitted (``check_params``), never silently wrong.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from numbers import Integral
+from typing import Any
 
 import torch
 
 from nanovllm.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.spec_decode.draft_layers import DraftLayersProposer, select_rows
 from nanovllm.engine.spec_decode.draft_model import DraftModelProposer
 from nanovllm.engine.spec_decode.ngram_proposer import NgramProposer
@@ -59,6 +62,13 @@ class SpecDecodeStats:
             for j in range(n):
                 self.num_draft_tokens_per_pos[j] += 1
                 self.num_accepted_tokens_per_pos[j] += j < a
+
+    def step_fields(self) -> dict[str, Any]:
+        """These counts as ``StepMetrics``' fields (``engine/metrics.py``): what a step
+        reports, also from an engine core in another process (the server's counters)."""
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens,
+                "num_accepted_tokens_per_pos": tuple(self.num_accepted_tokens_per_pos)}
 
     @property
     def acceptance_rate(self) -> float:
@@ -103,6 +113,7 @@ class Speculator:
         else:
             self.proposer = DraftLayersProposer(runner, config.num_layers, k)
         self.stats = SpecDecodeStats(k)
+        self.last_step = SpecDecodeStats(k)  # the latest step's counts alone (StepMetrics)
 
     def release(self) -> None:
         """Give back what the proposer holds on the device (a draft model's weights and
@@ -119,21 +130,80 @@ class Speculator:
                              "(speculative_config) yet; build the LLM without it for them")
 
     def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
-        """Propose, verify and accept for every sequence of ``batch`` (a scheduled step)."""
-        budgets = reserve_draft_slots(self.scheduler, batch, self.config.num_speculative_tokens)
+        """Propose, verify and accept for every sequence of ``batch`` (a scheduled step).
+
+        A failure that is one request's -- its proposer raising for it, a proposal that is not
+        token ids fitting its reserved slots, its own inputs to the verify pass -- ends that
+        request alone with "error" (``Scheduler.fail`` frees its blocks), and the step is
+        tried again without it, as the engine's plain steps do (``LLMEngine._launch``)."""
+        self.last_step = SpecDecodeStats(self.config.num_speculative_tokens)
+        while batch.seqs:
+            budgets = reserve_draft_slots(self.scheduler, batch,
+                                          self.config.num_speculative_tokens)
+            try:
+                drafts, draft_probs = self._propose(batch.seqs, budgets)
+                failed = self._bad_proposals(batch.seqs, budgets, drafts)
+            except Exception:
+                failed = self._proposal_errors(batch.seqs, budgets)
+                if not failed:
+                    raise  # not one request's fault
+            if failed:
+                self.scheduler.fail(batch, failed)
+                continue
+            attach_drafts(batch, drafts)
+            try:
+                tokens = self._verify(batch, draft_probs)
+            except BaseException as err:
+                detach_drafts(batch)  # nothing was accepted: the step's state is as scheduled
+                failed = self.runner.request_errors(batch) if isinstance(err, Exception) else []
+                if not failed:
+                    raise
+                self.scheduler.fail(batch, failed)
+                continue
+            return ModelRunnerOutput(batch, tokens)
+        return ModelRunnerOutput(batch, [])  # every request of the step failed
+
+    def _propose(self, seqs: list[Sequence], budgets: list[int]
+                 ) -> tuple[list[list[int]], torch.Tensor | None]:
+        """Each sequence's proposals and the draft's distributions (None: n-gram's, or
+        greedy requests' only)."""
         draft_probs = None
         if isinstance(self.proposer, NgramProposer):
-            drafts = self.proposer.propose(batch.seqs, budgets)
+            drafts = self.proposer.propose(seqs, budgets)
         else:
-            sampling, _ = self.runner._sampling_inputs(batch.seqs)
-            drafts, draft_probs = self.proposer.propose(batch.seqs, budgets, sampling)
-        attach_drafts(batch, drafts)
-        try:
-            tokens = self._verify(batch, draft_probs)
-        except BaseException:
-            detach_drafts(batch)  # nothing was accepted: the step's state is as scheduled
-            raise
-        return ModelRunnerOutput(batch, tokens)
+            sampling, _ = self.runner._sampling_inputs(seqs)
+            drafts, draft_probs = self.proposer.propose(seqs, budgets, sampling)
+        return drafts, draft_probs
+
+    def _bad_proposals(self, seqs: list[Sequence], budgets: list[int],
+                       drafts: list[list[int]]) -> list[tuple[Sequence, Exception]]:
+        """The sequences whose proposals would not fit the step: more than their reserved
+        slots, or not token ids of the vocabulary (each with its error)."""
+        if len(drafts) != len(seqs):
+            raise ValueError(f"the {self.config.method} proposer returned {len(drafts)} "
+                             f"proposal lists for {len(seqs)} requests")
+        vocab = self.runner.model_config.vocab_size
+        failed = []
+        for seq, budget, draft in zip(seqs, budgets, drafts):
+            if len(draft) > budget or not all(isinstance(t, Integral) and 0 <= t < vocab
+                                              for t in draft):
+                failed.append((seq, ValueError(
+                    f"the {self.config.method} proposer proposed {list(draft)[:8]} (length "
+                    f"{len(draft)}); expected at most {budget} token ids in [0, {vocab})")))
+        return failed
+
+    def _proposal_errors(self, seqs: list[Sequence], budgets: list[int]
+                         ) -> list[tuple[Sequence, Exception]]:
+        """After proposing for ``seqs`` raised: the sequences whose proposals fail when made
+        alone, with their errors (empty: the failure is not one request's)."""
+        failed = []
+        for seq, budget in zip(seqs, budgets):
+            try:
+                drafts, _ = self._propose([seq], [budget])
+                failed += self._bad_proposals([seq], [budget], drafts)
+            except Exception as err:
+                failed.append((seq, err))
+        return failed
 
     @torch.inference_mode()
     def _verify(self, batch: SchedulerOutput, draft_probs: torch.Tensor | None
@@ -177,6 +247,8 @@ class Speculator:
         chosen = sample_rows(next_probs, sampling.generators, shared).tolist()
         accepted = accepted.tolist()
         if any(counts):
-            self.stats.record([n for n in counts if n], [a for n, a in zip(counts, accepted) if n])
+            proposed, kept = [n for n in counts if n], [a for n, a in zip(counts, accepted) if n]
+            self.stats.record(proposed, kept)
+            self.last_step.record(proposed, kept)
         emitted = [d[:a] + [t] for d, a, t in zip(drafts, accepted, chosen)]
         return [emitted[r] if r >= 0 else None for r in step.logit_rows]
