@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 from nanovllm import LLM
+from nanovllm.benchmarks.fleet import run_fleet, tenant_workload
 from nanovllm.benchmarks.workload import resolve_model, warm_up
 from nanovllm.configs import config_path
-from nanovllm.benchmarks.fleet import run_fleet, tenant_workload
 from nanovllm.deploy.router import PrefixAwareRouter, RoundRobinRouter
 
 
