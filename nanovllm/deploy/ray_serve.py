@@ -1,4 +1,4 @@
-"""Data-parallel replicas behind one OpenAI endpoint, with Ray Serve (chapter 17 §5).
+"""Data-parallel replicas behind one OpenAI endpoint, with Ray Serve (chapter 17 §4).
 
     python -m nanovllm.deploy.ray_serve MODEL --num-replicas 2 --port 8000 [serve's options]
 
@@ -135,7 +135,7 @@ def stop() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m nanovllm.deploy.ray_serve MODEL --num-replicas N [options]``."""
+    """The command line (the module docstring)."""
     parser = argparse.ArgumentParser(prog="python -m nanovllm.deploy.ray_serve",
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
