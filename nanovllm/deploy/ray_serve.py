@@ -4,7 +4,9 @@
 
 Every option of ``nanovllm serve`` works here too (``--config``, ``--api-key``, engine
 flags); ``--num-replicas``, ``--num-cpus-per-replica``, ``--num-gpus-per-replica`` and
-``--ray-address`` (an existing cluster; default: start a local one) are Ray's.
+``--ray-address`` (an existing cluster; default: start a local one) are Ray's. SIGTERM or
+Ctrl-C (also while the replicas start) stops them, each draining, then leaves the cluster
+(a local one stops with it); the exit status is 0.
 
 The design, chosen for the least new code: **each replica is a whole ``nanovllm serve``**.
 A Ray Serve deployment of ``num_replicas`` replicas (Ray actors, placed anywhere on the
@@ -30,8 +32,8 @@ the replica whether its engine still runs (a dead one is replaced); a replica th
 gets ``grace_period`` seconds to finish its requests (``graceful_shutdown_timeout_s``) before
 its engine aborts what is left. Ray caps each replica's requests in flight
 (``max_ongoing_requests``) at what its engine may hold (``max_num_seqs`` +
-``max_queue_depth``): the app's own admission answers 429 first. Needs Ray >= 2.60 (the
-late-bound ingress).
+``max_queue_depth``): the app's own admission answers 429 first. Written against Ray 2.60:
+the late-bound ingress (``serve.ingress()`` given no app) is recent (2026).
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-import threading
 
 import ray
 from fastapi import FastAPI
@@ -158,17 +159,21 @@ def main(argv: list[str] | None = None) -> int:
     if num_gpus is None:
         tp = config.engine.get("tensor_parallel_size", 1)
         num_gpus = tp if ray.cluster_resources().get("GPU", 0) else 0
-    stopping = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stopping.set())
+    signal.signal(signal.SIGTERM, _interrupt)  # as Ctrl-C: also while the replicas start
     try:
         url = start(config, args.num_replicas, args.num_cpus_per_replica, num_gpus)
         print(f"{args.num_replicas} replicas of {config.model} at {url}/v1", flush=True)
-        stopping.wait()
+        signal.pause()
+    except KeyboardInterrupt:
+        pass  # a shutdown that was asked for: drain (stop), exit 0
     finally:
         stop()
         ray.shutdown()
     return 0
+
+
+def _interrupt(signum: int, frame) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":
