@@ -27,7 +27,8 @@
 #    volume), answers health checks and drains on `SIGTERM`;
 # 2. **Kubernetes** objects that run N replicas of it, take a replica out of the load
 #    balancer while it starts or drains, and scale N on the server's own queue;
-# 3. **Ray**, which places tensor-parallel workers on the nodes of a cluster;
+# 3. **Ray**, which places tensor-parallel workers on the nodes of a cluster, and (Ray
+#    Serve) runs replicas behind one endpoint;
 # 4. a **router** in front of the replicas that sends a request to the replica whose prefix
 #    cache (chapter 04) probably holds its prompt's start — measured against round-robin;
 # 5. **capacity planning**: how many replicas a day of traffic needs under a latency SLO,
@@ -35,6 +36,7 @@
 #
 # Package modules taught here: `nanovllm/deploy/Dockerfile` and `nanovllm/deploy/k8s/*.yaml`
 # (read by `nanovllm/deploy/manifests.py`), `nanovllm/engine/ray_executor.py`,
+# `nanovllm/deploy/ray_serve.py`,
 # `nanovllm/deploy/router.py` and `nanovllm/benchmarks/fleet.py` (measured by
 # `nanovllm/benchmarks/routing.py`), and
 # `nanovllm/deploy/capacity.py`.
@@ -234,6 +236,32 @@ show_source(ray_executor.RayWorker.poll, ray_executor.RayExecutor.__init__)
 # `WorkerDiedError` instead of hanging. The chapter does not start Ray itself (a cluster's
 # start-up takes seconds to minutes on a busy 2-core machine). Not run here: GPUs and
 # several nodes.
+
+# %% [markdown]
+# ### Replicas behind one endpoint: Ray Serve
+#
+# Ray also runs the other kind of scale-out, data-parallel replicas, without Kubernetes:
+#
+# ```
+# python -m nanovllm.deploy.ray_serve MODEL --num-replicas 2 --port 8000
+# ```
+#
+# takes every option of `nanovllm serve` and starts (or joins, with `--ray-address`) a Ray
+# cluster. A **Ray Serve deployment** places two replicas as Ray actors; each builds its own
+# `AsyncEngine` and, over it, chapter 10's FastAPI app, unchanged. Ray Serve's HTTP proxy is
+# the one OpenAI endpoint and passes each request, streamed or not, to one replica's app; so
+# keys, admission (429s), `/metrics` and the error shapes are the single server's, per
+# replica. Ray's periodic health check asks the replica whether its engine still runs, and
+# replaces one that has stopped; a replica that Ray stops first finishes its requests for the
+# grace period. Each answer names its replica in an `x-nanovllm-replica` header.
+#
+# What it does not do is route by prefix. Ray Serve's default router picks the less busy of
+# two replicas (power of two choices), and its pluggable request router runs in the proxy
+# *before* the body is read: it sees a request's headers, not its prompt. Section 5's router
+# would need a second deployment in front that reads and tokenizes the prompt and then calls
+# a chosen replica. `tests/test_deploy_ray_serve.py` runs two tiny replicas on a local Ray
+# cluster on CPU: their greedy completions equal `LLM.generate`'s, concurrent requests land
+# on both, a stream arrives whole, and stopping leaves no Ray process behind.
 
 # %% [markdown]
 # ## 5. Cache-aware routing: send a request where its prefix is
@@ -499,6 +527,7 @@ rows = [
     ("drain vs grace period", "bounded",
      f"{pre_stop} + {drain:g} s < {pod['terminationGracePeriodSeconds']} s"),
     ("Ray tensor parallelism", "measured (CPU)", "TP=2 over gloo = TP=1 tokens (tests)"),
+    ("Ray Serve replicas", "measured (CPU)", "2 replicas = LLM.generate tokens (tests)"),
     ("cache-aware routing, 4 replicas", "measured (CPU)",
      f"hit rate {best['prefix-aware']['prefix_hit_rate']:.2f} vs "
      f"{best['round-robin']['prefix_hit_rate']:.2f} round-robin"),
@@ -582,7 +611,9 @@ print("Exercise 2 passed: leading_match counts the held prefix")
 #   pause + drain + margin, and liveness is patient enough not to kill a drain. The
 #   autoscaler reads the server's own `/metrics` through prometheus-adapter.
 # - **Ray** places tensor-parallel workers (one placement-group bundle per rank); the engine
-#   protocol is unchanged and a dead worker is still an error, not a hang.
+#   protocol is unchanged and a dead worker is still an error, not a hang. **Ray Serve**
+#   runs N copies of the unchanged server behind one endpoint (`python -m
+#   nanovllm.deploy.ray_serve`), routed by load, not by prefix.
 # - **Cache-aware routing** keys prompts with the engine's own block hashes; it keeps each
 #   tenant's prefix on few replicas, which holds the hit rate as replicas are added, while
 #   the load slack keeps replicas balanced (section 5's records).
