@@ -140,3 +140,18 @@ def test_only_stop_allowed_names_complete_constraints(engines):
     regex.fill(bitmask, 1)
     assert state.only_stop_allowed(bitmask, 0)  # "red" is whole: only EOS may follow
     assert not regex.only_stop_allowed(bitmask, 1)  # complete, but more digits may follow
+
+
+def test_overlap_benchmark_times_the_matcher_work_against_the_step(engines):
+    """``benchmarks/structured_output``'s overlap record on the tiny model: every timed step
+    spent time filling masks, advancing matchers and in the forward pass; on a CPU nothing
+    is hidden."""
+    from nanovllm.benchmarks.structured_output import overlap_row
+
+    engine = engines[True].engine
+    rows = [overlap_row(engine, batch, steps=2, warm=1) for batch in (1, 3)]
+    assert not engine.has_unfinished_requests()
+    for row in rows:
+        assert row["fill_ms"] > 0 and row["accept_ms"] > 0 and row["forward_ms"] > 0
+        assert row["hidden_fraction"] == 0.0  # the CPU's forward pass runs in the host's thread
+        assert 0 < row["hideable_fraction"] <= 1 and 0 < row["matcher_share"] < 1
