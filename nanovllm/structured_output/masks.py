@@ -12,19 +12,19 @@ constrained and unconstrained requests share one batch and an unconstrained row 
 bit-identical. On a GPU it runs after the forward pass is queued: the host fills the masks
 while the device computes the step.
 
-Overlap under async scheduling (``LLMEngine.step``). Step n's mask needs the matcher *after*
-step n-1's token, and with async scheduling that token is still on the device when step n is
-planned. Two honest designs: (b) split the batch, keep the unconstrained rows in the pipeline
-and make the constrained ones wait a step; or (a), vLLM v1's (``EngineCore`` defers
+Overlap under async scheduling (``LLMEngine._execute_constrained``). Step n's mask needs the
+matcher *after* step n-1's token, and with async scheduling that token is still on the device
+when step n is planned. Two honest designs: (a) vLLM v1's (its ``EngineCore`` defers
 ``sample_tokens`` while ``SchedulerOutput.pending_structured_output_tokens``): queue step n's
 forward pass for the whole batch, *then* land step n-1, advance the matchers with its tokens
 (``Scheduler._took_token``) and fill step n's masks while the device computes the forward
-pass, and only then queue step n's sampling. We take (a): one forward pass per step, every
-row's tokens reported one call late exactly as without constraints, and the host's
-matcher work (accepting n-1's tokens, filling n's masks) hidden under the forward pass; the
-device waits only if that work outlasts it (``benchmarks/structured_output.py`` measures it).
-(b) would cost the constrained requests a step in two and a second sampling launch per step.
-A batch with no constrained row never takes this path: no extra wait.
+pass, and only then queue step n's sampling; or (b) split the batch, keep the unconstrained
+rows in the pipeline and make the constrained ones wait a step. We take (a): one forward pass
+per step, every row's tokens reported one call late exactly as without constraints, and the
+host's matcher work (accepting n-1's tokens, filling n's masks) hidden under the forward
+pass; the device idles only if that work outlasts it (``benchmarks/structured_output.py``
+measures both). (b) would run the constrained requests every other step and sample twice
+per step. A batch with no constrained row never takes this path: no extra wait.
 
 ``min_tokens`` with a constraint: while ``min_tokens`` holds a request back, its EOS is
 banned (``SamplingInputs``). If the constraint is complete and allows nothing but its stop
