@@ -35,8 +35,9 @@
 # per sequence; `masks.py`: packed bitmasks, filled on the host and applied on the device;
 # `toy_dfa.py`: this chapter's automaton), the matcher's advance in
 # `nanovllm/engine/scheduler.py` (`_took_token`), the mask before sampling in
-# `nanovllm/engine/model_runner.py` (`_sample`), the synchronous landing of constrained steps in
-# `nanovllm/engine/llm_engine.py`, `response_format` in `nanovllm/serve/protocol.py`, and
+# `nanovllm/engine/model_runner.py` (`_sample`), the deferred sampling of constrained steps
+# under async scheduling in `nanovllm/engine/llm_engine.py` (`_execute_constrained`),
+# `response_format` in `nanovllm/serve/response_format.py`, and
 # `nanovllm/benchmarks/structured_output.py`.
 #
 # The chapter runs in about two minutes on a 2-core CPU (SmolLM2-135M).
@@ -299,11 +300,14 @@ for r in rows:
 # Two costs are *not* in this plot. Compiling a new schema takes milliseconds to seconds (it
 # happens once, at submission, in the submitting thread; a schema that does not compile is a
 # `ValueError` there, and a 400 from the server). And under async scheduling (chapter 11) a
-# constrained request's next mask needs the token of the step still in flight: nanovllm lands a
-# step that holds a constrained request synchronously (`LLMEngine.step`), so while constrained
-# requests run the engine gives up async scheduling's overlap. vLLM overlaps here too, by
-# filling the masks for step n+1 once step n's tokens arrive, while n+1's forward pass runs;
-# that is the next improvement.
+# constrained request's mask for step n needs the token of step n-1, still in flight when step
+# n is planned. nanovllm does what vLLM does: it queues step n's forward pass for the whole
+# batch, *then* lands step n-1, advances the matchers with its tokens and fills step n's masks
+# while the device computes, and only then queues step n's sampling
+# (`LLMEngine._execute_constrained`). Every request, constrained or not, stays in the
+# pipeline; the device waits only if the host's matcher work outlasts the forward pass, and a
+# batch with no constrained request never takes this path. (The other design, making only the
+# constrained rows wait a step, would halve their speed.)
 #
 # ## 6. JSON schema to grammar
 #
@@ -450,7 +454,9 @@ print("Exercise 2 passed")
 #   requests of a step.
 # - nanovllm: `StructuredOutputsParams` (JSON schema, regex, choice, grammar, JSON object),
 #   compiled once per constraint at submission, one matcher per sample, advanced only in the
-#   scheduler's update path; `response_format` and `structured_outputs` in the server.
+#   scheduler's update path; under async scheduling a constrained step's sampling waits for
+#   the step in flight, its forward pass does not; `response_format` and
+#   `structured_outputs` in the server.
 
 # %%
 # NBVAL_IGNORE_OUTPUT

@@ -18,7 +18,7 @@ def test_quick_cpu_run_records_mask_cost_and_throughput(tmp_path, smollm2_dir):
     out = tmp_path / "so.json"
     structured_output.main(["--device", "cpu", "--quick", "--tokenizer", str(smollm2_dir),
                             "--batch-sizes", "1", "3", "--num-requests", "2",
-                            "--max-tokens", "3", "--out", str(out)])
+                            "--max-tokens", "3", "--skip-overlap", "--out", str(out)])
     result = json.loads(out.read_text())
     assert result["config"] == "smollm2-135m" and result["workload"] == "cpu"
     assert [r["batch_size"] for r in result["mask_cost"]] == [1, 3]

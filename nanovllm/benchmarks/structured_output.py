@@ -8,10 +8,19 @@ Two measurements, recorded as JSON:
   masks (``masks.fill_bitmask``, xgrammar's matchers) and the time to copy them to the device
   and apply them to ``[B, V]`` logits (``masks.apply_token_bitmask``; on a GPU also xgrammar's
   own kernel, for comparison).
+- ``overlap``: engine steps under async scheduling at each batch size, every request
+  constrained (a JSON-like grammar that never completes) and then none: the host's matcher
+  work per step (``fill_ms``: the masks; ``accept_ms``: advancing the matchers with the landed
+  tokens; ``matcher_share``: their part of the constrained step), the forward pass they run
+  under (``forward_ms``, host clock), and the two steps' wall times (``exposed_ms``: their
+  difference). ``hideable_fraction``, forward over matcher time (capped at 1), is how much of
+  the matcher work fits under the forward pass on a device that runs apart from the host.
+  ``hidden_fraction`` is how much did not lengthen the step: on a GPU ``1 - exposed/matcher``
+  (clamped to [0, 1]); on a CPU 0 by construction, since the "device" is the host's own
+  thread and nothing overlaps (and a step difference there is noise next to the matcher time).
 - ``throughput``: output tokens/s of a workload (``workload.py``'s ``nano-vllm`` on a GPU,
   ``cpu`` on a CPU) with no constrained request, then with ``k`` of them (a JSON schema that
-  never has to end: an array of strings). A step with a constrained request runs synchronously
-  under async scheduling (``LLMEngine.step``), so this also measures what that costs.
+  never has to end: an array of strings).
 
 Dummy weights need a tokenizer for xgrammar: ``--tokenizer DIR`` (default SmolLM2's, in
 ``~/.cache/nanovllm``) is copied beside the model's config (``model_folder``); its vocabulary is
@@ -32,12 +41,13 @@ from types import SimpleNamespace
 
 import torch
 
-from nanovllm import LLM, StructuredOutputsParams
+from nanovllm import LLM, SamplingParams, StructuredOutputsParams
 from nanovllm.benchmarks.metadata import run_metadata
 from nanovllm.benchmarks.timing import stopwatch, time_calls
 from nanovllm.benchmarks.workload import free, make_workload, request_params, warm_up
 from nanovllm.configs import config_path
-from nanovllm.structured_output.backend_xgrammar import GrammarBackend
+from nanovllm.structured_output import masks
+from nanovllm.structured_output.backend_xgrammar import GrammarBackend, GrammarState
 from nanovllm.structured_output.masks import apply_token_bitmask, fill_bitmask
 from nanovllm.tokenizer import load_tokenizer
 
@@ -60,6 +70,13 @@ EXAMPLE = {"name": "Ada Lovelace", "age": 36, "email": "ada@example.com",
 # For throughput: a constraint that never has to end, so constrained requests run to their
 # length like the others (and the token counts stay comparable).
 ENDLESS = StructuredOutputsParams(json={"type": "array", "items": {"type": "string"}})
+
+
+# For the overlap: a JSON-like list that never completes (EOS is never allowed), so every
+# request stays constrained for as many steps as it is timed.
+NEVER_ENDS = StructuredOutputsParams(grammar=(
+    'root ::= "[" item ("," item)*\n'
+    'item ::= "{\\"name\\": \\"" [a-zA-Z ]* "\\", \\"age\\": " [0-9]+ "}"'))
 
 
 def default_tokenizer_dir() -> Path:
@@ -122,6 +139,78 @@ def step_costs(seqs: list, vocab: int, device: str, reps: int) -> dict:
     return costs
 
 
+def overlap(folder: Path, batch_sizes: list[int], device: str, steps: int, warm: int = 3,
+            options: dict | None = None) -> list[dict]:
+    """Median per-step costs of ``steps`` decode steps (after ``warm``) at each batch size,
+    constrained and not, under async scheduling (see the module docstring)."""
+    llm = LLM(str(folder), load_format="dummy", device=device, async_scheduling=True,
+              max_model_len=256, **(options or {}))
+    try:
+        return [overlap_row(llm.engine, batch, steps, warm) for batch in batch_sizes]
+    finally:
+        free(llm)
+
+
+def overlap_row(engine, batch: int, steps: int, warm: int) -> dict:
+    """One batch size's ``overlap`` record, on an engine with async scheduling."""
+    plain = _timed_steps(engine, batch, None, steps, warm)
+    held = _timed_steps(engine, batch, NEVER_ENDS, steps, warm)
+    matcher_ms = held["fill_ms"] + held["accept_ms"]
+    exposed = held["step_ms"] - plain["step_ms"]
+    gpu = engine.runner.device.type == "cuda"
+    return {
+        "batch_size": batch, "step_ms_unconstrained": plain["step_ms"],
+        "step_ms_constrained": held["step_ms"], "fill_ms": held["fill_ms"],
+        "accept_ms": held["accept_ms"], "forward_ms": held["forward_ms"],
+        "matcher_share": matcher_ms / held["step_ms"], "exposed_ms": exposed,
+        "hideable_fraction": min(1.0, held["forward_ms"] / matcher_ms),
+        "hidden_fraction": min(1.0, max(0.0, 1 - exposed / matcher_ms)) if gpu else 0.0,
+    }
+
+
+def _timed_steps(engine, batch: int, constraint: StructuredOutputsParams | None, steps: int,
+                 warm: int) -> dict[str, float]:
+    """``batch`` requests of 8 prompt tokens; per timed step (medians): the step's wall time,
+    and the time inside the mask fill, the matchers' accept and the forward pass."""
+    params = SamplingParams(max_tokens=warm + steps + 2, ignore_eos=True,
+                            structured_outputs=constraint)
+    ids = [engine.add_request(None, [1 + (i + j) % 500 for j in range(8)], params)
+           for i in range(batch)]
+    spent = {"fill": 0.0, "accept": 0.0, "forward": 0.0}
+    targets = [(masks, "fill_bitmask", "fill"), (GrammarState, "accept", "accept"),
+               (engine.runner, "_forward", "forward")]
+    originals = [(obj, name, getattr(obj, name)) for obj, name, _ in targets]
+    for obj, name, key in targets:
+        setattr(obj, name, _clocked(getattr(obj, name), spent, key))
+    try:
+        for _ in range(warm):
+            engine.step()
+        per_step = {key: [] for key in ("step", *spent)}
+        for _ in range(steps):
+            before = dict(spent)
+            start = time.perf_counter()
+            engine.step()
+            per_step["step"].append(time.perf_counter() - start)
+            for key in spent:
+                per_step[key].append(spent[key] - before[key])
+    finally:
+        for obj, name, original in originals:
+            setattr(obj, name, original)
+        engine.abort_request(ids)
+    return {f"{key}_ms": 1e3 * statistics.median(v) for key, v in per_step.items()}
+
+
+def _clocked(fn, spent: dict[str, float], key: str):
+    """``fn``, adding its host time to ``spent[key]``."""
+    def clocked(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent[key] += time.perf_counter() - start
+    return clocked
+
+
 def throughput(folder: Path, workload: str, num_requests: int | None, max_tokens: int | None,
                constrained: list[int], device: str, options: dict, warm: bool = True
                ) -> list[dict]:
@@ -166,8 +255,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="cap each request's output length")
     parser.add_argument("--constrained", type=int, nargs="+", default=[0, 8, 64])
+    parser.add_argument("--overlap-steps", type=int, default=None,
+                        help="decode steps timed per batch size for the overlap")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (a CPU test)")
     parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument("--skip-overlap", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     gpu = args.device.startswith("cuda")
@@ -184,6 +276,11 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         folder = model_folder(config, args.tokenizer, Path(tmp))
         result["mask_cost"] = mask_cost(folder, batch_sizes, args.device, reps)
+        if not args.skip_overlap:
+            result["overlap"] = overlap(folder, batch_sizes, args.device,
+                                        args.overlap_steps or (2 if args.quick else 10),
+                                        warm=1 if args.quick else 3,
+                                        options={} if gpu else {"num_kv_blocks": 256})
         if not args.skip_throughput:
             workload = args.workload or ("nano-vllm" if gpu else "cpu")
             result["workload"] = workload

@@ -29,6 +29,7 @@ from nanovllm.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.sliding_window import make_block_manager
 from nanovllm.engine.spec_decode.speculator import Speculator
+from nanovllm.engine.step import Unsampled
 from nanovllm.engine.stop_checker import StopChecker
 from nanovllm.models import ModelConfig, get_model_class
 from nanovllm.sampling_params import SamplingParams
@@ -160,14 +161,16 @@ class LLMEngine:
         n's sequences hold a placeholder (never reported); the GPU feeds the real token to step
         n+1 directly.
 
-        A step with a constrained request (chapter 15) ends synchronously: its next mask
-        needs this step's token on the host, so the step just launched lands now as well."""
+        A step with a constrained request (chapter 15) stays in the pipeline, but its mask needs
+        the step in flight's tokens on the host: its sampling waits until they land
+        (``_execute_constrained``); a step with none takes the path above unchanged."""
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule(start)
-        model_output = self._execute(scheduler_output)
-        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         if self._in_flight is not None and _constrained(scheduler_output):
-            outputs += self.scheduler.update_from_output(SchedulerOutput(), self._land())
+            outputs = self._execute_constrained(scheduler_output)
+        else:
+            model_output = self._execute(scheduler_output)
+            outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         if scheduler_output.seqs:
             self._record_step(scheduler_output, start)
         return outputs
@@ -185,6 +188,17 @@ class LLMEngine:
             return self._land()
         return None if previous is None else self._collect(*previous)
 
+    def _execute_constrained(self, scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
+        """Async scheduling with a constrained request (``structured_output/masks.py`` says
+        why): queue the step's forward pass, land the step in flight and advance the matchers
+        with its tokens while the device computes, then fill the masks and queue sampling."""
+        self.runner.forget(scheduler_output.finished_seq_ids)
+        launched = self._launch(scheduler_output, defer_sampling=True)
+        outputs = self.scheduler.update_from_output(scheduler_output, self._land())
+        if launched is not None:
+            self._in_flight = (scheduler_output, self.runner.sample(launched))
+        return outputs
+
     def _land(self) -> ModelRunnerOutput | None:
         """Wait for the step in flight and take its tokens (None if there is none)."""
         previous, self._in_flight = self._in_flight, None
@@ -193,12 +207,14 @@ class LLMEngine:
     def _collect(self, step: SchedulerOutput, in_flight: InFlight) -> ModelRunnerOutput:
         return ModelRunnerOutput(step, self.runner.collect(in_flight), in_flight)
 
-    def _launch(self, scheduler_output: SchedulerOutput) -> InFlight | None:
+    def _launch(self, scheduler_output: SchedulerOutput, defer_sampling: bool = False
+                ) -> InFlight | Unsampled | None:
         """Queue the step on the device. A request whose own inputs fail to prepare ends
         alone (nothing ran yet) and the step is launched again without it."""
+        deferred = {"defer_sampling": True} if defer_sampling else {}  # (else the plain call)
         while scheduler_output.seqs:
             try:
-                return self.runner.launch(scheduler_output)
+                return self.runner.launch(scheduler_output, **deferred)
             except Exception:
                 failed = self.runner.request_errors(scheduler_output)
                 if not failed:

@@ -31,6 +31,7 @@ from nanovllm.engine.step import (
     PackedArrays,
     PreparedBatch,
     StepPlan,
+    Unsampled,
     pack_step,
 )
 from nanovllm.layers.attention import Attention, building_with
@@ -214,8 +215,10 @@ class ModelRunner:
             self.sampling_inputs.release(seq_id)
 
     @torch.inference_mode()
-    def launch(self, batch: SchedulerOutput) -> InFlight:
+    def launch(self, batch: SchedulerOutput, defer_sampling: bool = False) -> InFlight | Unsampled:
         """Queue one step's forward pass and sampling on the device; does not wait for it.
+        With ``defer_sampling`` the sampling waits for ``sample``: the engine first lands the
+        step before, whose tokens a constrained request's mask needs (chapter 15).
 
         Everything that depends on a single request (its inputs, its sampling settings) is
         prepared before anything runs on the device, so an error there changes nothing and
@@ -240,11 +243,22 @@ class ModelRunner:
             if self.executor is not None:  # a lost worker explains it better than gloo does
                 self.executor.raise_if_a_worker_died()
             raise
-        tokens, logprobs = self._sample(logits, step.sample_seqs, *sampling)
+        unsampled = Unsampled(step, logits, sampling, results)
+        return unsampled if defer_sampling else self.sample(unsampled)
+
+    @torch.inference_mode()
+    def sample(self, launched: InFlight | Unsampled) -> InFlight:
+        """Queue the sampling of a step launched with ``defer_sampling`` (a step that samples
+        nothing is in flight already and comes back as it is)."""
+        if isinstance(launched, InFlight):
+            return launched
+        step = launched.step
+        tokens, logprobs = self._sample(launched.logits, step.sample_seqs, *launched.sampling)
         # Kept on the device: the next step reads its placeholder tokens from here.
         self._in_flight_tokens = tokens
         self._in_flight_rows = {seq.seq_id: row for row, seq in enumerate(step.sample_seqs)}
-        return self._to_host(InFlight(tokens, None, step.logit_rows), logprobs, results)
+        return self._to_host(InFlight(tokens, None, step.logit_rows), logprobs,
+                             launched.prompt_logprobs)
 
     def _forward(self, input_ids, positions, meta, plan: StepPlan) -> torch.Tensor:
         """The forward pass every rank runs alike; the final hidden states."""
@@ -315,11 +329,14 @@ class ModelRunner:
         "processed_logprobs"``, after penalties, bias, masks and temperature. Rows of
         constrained requests are masked first (chapter 15; the host fills the masks while the
         device runs the forward pass), so as in vLLM both see only the allowed tokens."""
-        apply_grammar_masks(logits, seqs, self._to_device)
+        must_stop = apply_grammar_masks(logits, seqs, self._to_device)
         k = max((s.params.logprobs for s in seqs if s.params.logprobs is not None), default=None)
         raw = logits.clone() if k is not None and processing is not None else logits
         if processing is not None:
+            held = logits[must_stop] if must_stop is not None else None  # a copy
             logits = process_logits(logits, processing)  # in place
+            if held is not None:  # min_tokens yields to a complete constraint (masks.py)
+                logits[must_stop] = held
         tokens = self.sampler(logits, sampling)
         if k is None:
             return tokens, []

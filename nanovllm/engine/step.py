@@ -2,8 +2,9 @@
 
 ``pack_step`` lays a step's new tokens end to end with their cache slots (chapter 04);
 ``StepPlan`` holds them as host arrays, one ``PackedArrays`` buffer per dtype (what a
-tensor-parallel worker receives, chapter 09); ``PreparedBatch`` is the step on the device, and
-``InFlight`` a launched step whose tokens may still be on their way (chapter 11).
+tensor-parallel worker receives, chapter 09); ``PreparedBatch`` is the step on the device,
+``InFlight`` a launched step whose tokens may still be on their way (chapter 11), and
+``Unsampled`` one whose sampling waits for its masks (chapter 15).
 """
 
 from __future__ import annotations
@@ -214,3 +215,15 @@ class InFlight:
             self._logprob_lists = [t.tolist() for t in self.logprobs]
         logprob, rank, top_ids, top_logprobs = self._logprob_lists
         return token, logprob[row], rank[row], top_ids[row][:k], top_logprobs[row][:k]
+
+
+@dataclass
+class Unsampled:
+    """A launched step whose forward pass is queued and whose sampling is not yet: under
+    async scheduling a constrained request's mask waits for the step before it to land
+    (chapter 15, ``structured_output/masks.py``)."""
+
+    step: PreparedBatch
+    logits: torch.Tensor  # [num sampled, V] float32 on the device
+    sampling: tuple  # SamplingInputs.build's (sampling tensors, logits-processing tensors)
+    prompt_logprobs: list[tuple] = field(default_factory=list)  # as ModelRunner._prompt_logprobs

@@ -15,6 +15,7 @@ One concept per module:
 - ``prompts.py``    prompts to token ids on worker threads, off the event loop
 - ``connections.py`` a deadline for a connection's request headers
 - ``protocol.py``   OpenAI's request and response bodies (pydantic)
+- ``response_format.py`` a request's output constraint: JSON schema, regex, ...
 - ``formats.py``    engine outputs -> OpenAI's objects
 - ``streaming.py``  server-sent events
 - ``admission.py``  API keys, per-key token buckets, queue depth

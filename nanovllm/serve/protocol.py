@@ -7,11 +7,8 @@ to OpenAI's fields a request takes vLLM's extra sampling fields (``top_k``, ``mi
 ``priority``, which the official client sends through ``extra_body``. ``sampling_params``
 turns a request into the engine's ``SamplingParams``, whose own checks (ranges) then apply.
 
-Structured output (chapter 15): OpenAI's ``response_format`` (``{"type": "json_schema",
-"json_schema": {"name", "schema", "strict"}}`` or ``{"type": "json_object"}``) and vLLM's
-``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``) both become
-``SamplingParams.structured_outputs``; a constraint that does not compile is a 400 when the
-engine takes the request.
+Structured output (chapter 15): OpenAI's ``response_format`` and vLLM's ``structured_outputs``
+are parsed by ``response_format.py`` and become ``SamplingParams.structured_outputs``.
 """
 
 from __future__ import annotations
@@ -22,7 +19,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.structured_output import StructuredOutputsParams
+from nanovllm.serve.response_format import (
+    ResponseFormat,
+    StructuredOutputsFields,
+    constraint,
+)
 
 
 class Strict(BaseModel):
@@ -32,32 +33,6 @@ class Strict(BaseModel):
 class StreamOptions(Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk
-
-
-class JsonSchemaFormat(Strict):
-    """OpenAI's ``response_format.json_schema``; ``strict`` is accepted and always honoured
-    (the output is constrained to the schema whatever it says)."""
-
-    name: str
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    description: str | None = None
-    strict: bool | None = None
-
-
-class ResponseFormat(Strict):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-
-class StructuredOutputsFields(Strict):
-    """vLLM's ``structured_outputs`` extra field: exactly one constraint."""
-
-    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-    disable_any_whitespace: bool = False
 
 
 class SamplingFields(Strict):
@@ -92,27 +67,6 @@ class SamplingFields(Strict):
     response_format: ResponseFormat | None = None  # OpenAI's structured output (chapter 15)
     structured_outputs: StructuredOutputsFields | None = None  # vLLM's
 
-    def structured(self) -> StructuredOutputsParams | None:
-        """The request's output constraint, from ``response_format`` or ``structured_outputs``
-        (not both); ``ValueError`` (a 400) for one that is malformed."""
-        fmt, extra = self.response_format, self.structured_outputs
-        if fmt is not None and fmt.type == "text":
-            fmt = None
-        if fmt is not None and extra is not None:
-            raise ValueError("give either response_format or structured_outputs, not both")
-        if extra is not None:
-            return StructuredOutputsParams(
-                json=extra.json_, regex=extra.regex, choice=extra.choice, grammar=extra.grammar,
-                json_object=extra.json_object,
-                disable_any_whitespace=extra.disable_any_whitespace)
-        if fmt is None:
-            return None
-        if fmt.type == "json_object":
-            return StructuredOutputsParams(json_object=True)
-        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-            raise ValueError("response_format of type json_schema needs json_schema.schema")
-        return StructuredOutputsParams(json=fmt.json_schema.schema_)
-
     def sampling_params(self, max_tokens: int, logprobs: int | None, user: str | None,
                         request_class: str | None) -> SamplingParams:
         """The engine's settings; raises ``ValueError`` (a 400) for values out of range."""
@@ -146,7 +100,7 @@ class SamplingFields(Strict):
             deadline=self.deadline,
             user=user,
             request_class=request_class,
-            structured_outputs=self.structured(),
+            structured_outputs=constraint(self.response_format, self.structured_outputs),
         )
 
 

@@ -25,8 +25,10 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+import numpy as np
 import torch
 
+from nanovllm.structured_output.masks import BITS
 from nanovllm.structured_output.params import StructuredOutputsParams
 
 CACHE_SIZE = 256  # compiled constraints kept per tokenizer (least recently used dropped)
@@ -112,6 +114,17 @@ class GrammarState:
     def is_terminated(self) -> bool:
         """The constraint is complete and its stop token was accepted: the request ends."""
         return self.matcher.is_terminated()
+
+    def only_stop_allowed(self, bitmask: torch.Tensor, row: int) -> bool:
+        """Whether ``bitmask[row]``, this matcher's mask, allows nothing but stop tokens: the
+        constraint is complete and cannot go on (asked of a complete matcher only: cheap)."""
+        if self.matcher.is_terminated() or not self.matcher.is_completed():
+            return False
+        words = bitmask[row].numpy().view(np.uint32).copy()
+        for token in self.matcher.stop_token_ids:
+            if token < BITS * len(words):
+                words[token // BITS] &= ~np.uint32(1 << (token % BITS))
+        return not words.any()
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into ``bitmask[row]`` (int32 words; bit ``t % 32``

@@ -11,6 +11,28 @@ only the rows whose sequence has a matcher (``Sequence.grammar``) are filled and
 constrained and unconstrained requests share one batch and an unconstrained row comes back
 bit-identical. On a GPU it runs after the forward pass is queued: the host fills the masks
 while the device computes the step.
+
+Overlap under async scheduling (``LLMEngine._execute_constrained``). Step n's mask needs the
+matcher *after* step n-1's token, and with async scheduling that token is still on the device
+when step n is planned. Two honest designs: (a) vLLM v1's (its ``EngineCore`` defers
+``sample_tokens`` while ``SchedulerOutput.pending_structured_output_tokens``): queue step n's
+forward pass for the whole batch, *then* land step n-1, advance the matchers with its tokens
+(``Scheduler._took_token``) and fill step n's masks while the device computes the forward
+pass, and only then queue step n's sampling; or (b) split the batch, keep the unconstrained
+rows in the pipeline and make the constrained ones wait a step. We take (a): one forward pass
+per step, every row's tokens reported one call late exactly as without constraints, and the
+host's matcher work (accepting n-1's tokens, filling n's masks) hidden under the forward
+pass; the device idles only if that work outlasts it (``benchmarks/structured_output.py``
+measures both). (b) would run the constrained requests every other step and sample twice
+per step. A batch with no constrained row never takes this path: no extra wait.
+
+``min_tokens`` with a constraint: while ``min_tokens`` holds a request back, its EOS is
+banned (``SamplingInputs``). If the constraint is complete and allows nothing but its stop
+token, the two rules leave no token at all; here ``min_tokens`` yields to the constraint
+(``apply_grammar_masks`` names such rows, the model runner undoes logits processing there) and
+the request ends with "stop", shorter than ``min_tokens``. Refusing the combination at
+submission could not be exact (whether a constraint can end early depends on the output), and
+ending such requests with "error" punishes a valid request.
 """
 
 from __future__ import annotations
@@ -80,11 +102,16 @@ def fill_bitmask(seqs: SequenceOf[Constrainable], vocab_size: int
 
 
 def apply_grammar_masks(logits: torch.Tensor, seqs: SequenceOf[Constrainable],
-                        to_device: Callable[[object, torch.dtype], torch.Tensor]) -> None:
+                        to_device: Callable[[object, torch.dtype], torch.Tensor]
+                        ) -> torch.Tensor | None:
     """Mask, in place, the rows of ``logits`` [B, V] (row i samples ``seqs[i]``) whose sequence
-    is constrained; ``to_device`` copies host values to the logits' device without waiting."""
+    is constrained; ``to_device`` copies host values to the logits' device without waiting.
+    Returns the rows (an int64 index on the device) whose constraint allows only its stop
+    tokens, where ``min_tokens`` must yield (see the module docstring); None if there are none."""
     filled = fill_bitmask(seqs, logits.shape[1])
     if filled is None:
-        return
+        return None
     rows, bitmask = filled
     apply_token_bitmask(logits, to_device(bitmask, torch.int32), to_device(rows, torch.int64))
+    must_stop = [r for i, r in enumerate(rows) if seqs[r].grammar.only_stop_allowed(bitmask, i)]
+    return to_device(must_stop, torch.int64) if must_stop else None
