@@ -128,11 +128,25 @@ def test_bad_configs_are_refused_at_construction(tiny, spec, message):
         LLM(tiny, num_kv_blocks=16, speculative_config=spec)
 
 
+@pytest.mark.assignment(*SPEC, "14.ngram_propose", "09.row_shard", "09.vocab_embed")
+def test_ngram_under_tensor_parallelism_equals_one_rank(tiny, reference):
+    """TP=2 on gloo: the workers follow each verify step (its k + 1 LM-head rows per
+    request) and the greedy tokens are those of one rank without speculation."""
+    llm, outs = generate(tiny, GREEDY, PROMPTS + [REPEAT], speculative_config=NGRAM,
+                         tensor_parallel_size=2)
+    try:
+        assert [o.token_ids for o in outs] == reference
+        stats = llm.engine.speculator.stats
+        assert stats.num_draft_tokens > 0 and 0 < stats.num_accepted_tokens
+    finally:
+        llm.shutdown()
+
+
 def test_unsupported_engine_features_are_refused(tiny):
     with pytest.raises(ValueError, match="async_scheduling"):
         LLM(tiny, num_kv_blocks=16, speculative_config=NGRAM, async_scheduling=True)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
-        LLM(tiny, num_kv_blocks=16, speculative_config=NGRAM, tensor_parallel_size=2)
+        LLM(tiny, num_kv_blocks=16, speculative_config=LAYERS, tensor_parallel_size=2)
     llm = LLM(tiny, num_kv_blocks=16, speculative_config=NGRAM)
     assert llm.engine.config.async_scheduling is False  # the visible fallback
     assert llm.engine.config.enforce_eager is True

@@ -279,7 +279,9 @@ class ModelRunner:
             for start in range(0, count, PROMPT_LOGPROB_ROWS):
                 stop = min(start + PROMPT_LOGPROB_ROWS, count)
                 self.model.compute_logits(hidden[first + start : first + stop])
-        if plan.num_samples:
+        if plan.verify_rows is not None:
+            self.model.compute_logits(hidden[self._to_device(plan.verify_rows, torch.int64)])
+        elif plan.num_samples:
             self.model.compute_logits(hidden[longs["sample_indices"]])
 
     def shutdown(self, polite: bool = True) -> None:

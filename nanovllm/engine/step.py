@@ -164,6 +164,9 @@ class StepPlan:
     # per prompt_logprobs entry: (first row, positions scored), for the LM-head calls
     prompt_rows: list[tuple[int, int]] = field(default_factory=list)
     use_graphs: bool = False
+    # A speculative verify step's LM-head rows (k + 1 per request), used in place of
+    # sample_indices (chapter 14): every rank must call the LM head on the same rows.
+    verify_rows: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:

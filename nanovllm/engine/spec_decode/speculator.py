@@ -211,19 +211,22 @@ class Speculator:
         """One target forward pass over the step; each sequence's emitted tokens."""
         runner = self.runner
         step = runner.prepare(batch)  # pack_step reads the proposals as ordinary tokens
-        hidden = runner._forward(step.input_ids, step.positions, step.meta, step.plan)
-        if isinstance(self.proposer, DraftModelProposer):
-            self.proposer.follow(step)  # its own cache: the same tokens at the same slots
         seqs = step.sample_seqs  # the rows that sample, decodes first
-        if not seqs:
-            return [None] * len(batch.seqs)
-        sampling, _ = runner._sampling_inputs(seqs)  # (no logits processing: check_params)
+        sampling = runner._sampling_inputs(seqs)[0] if seqs else None  # (no logits processing)
         drafts = [batch.draft_token_ids.get(s.seq_id, []) for s in seqs]
         counts = [len(d) for d in drafts]
-        k = max(counts)
         # Each sampled row's last k_b + 1 positions: after the real token, after each proposal.
         ends = step.plan.longs.unpack()["sample_indices"].tolist()
         index = [p for end, n in zip(ends, counts) for p in range(end - n, end + 1)]
+        step.plan.verify_rows = index
+        if runner.executor is not None:  # tensor parallelism: the workers follow this step
+            runner.executor.send(("step", step.plan))
+        hidden = runner._forward(step.input_ids, step.positions, step.meta, step.plan)
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.follow(step)  # its own cache: the same tokens at the same slots
+        if not seqs:
+            return [None] * len(batch.seqs)
+        k = max(counts)
         logits = runner.model.compute_logits(hidden[runner._to_device(index, torch.int64)])
         expand = [r for r, n in enumerate(counts) for _ in range(n + 1)]
         probs = target_probs(logits, select_rows(sampling, expand))
