@@ -10,6 +10,7 @@ import time
 
 import pytest
 from course_ids import ENGINE
+from ray_helpers import start_local_ray
 from test_scheduler import make_tiny_llama
 
 from nanovllm import LLM, SamplingParams
@@ -24,18 +25,8 @@ TP = (*ENGINE, "09.row_shard", "09.vocab_embed")
 
 @pytest.fixture(scope="module")
 def cluster():
-    """One local Ray cluster for every test here (starting one costs seconds). Ray's raylet
-    gives its dashboard agent a fixed 15 s to start (ray-project/ray#65983), which a badly
-    overloaded machine can miss: one retry, then a skip that says so."""
-    for attempt in range(2):
-        try:
-            ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-                     configure_logging=False)
-            break
-        except Exception as err:  # (Ray raises a bare Exception for this)
-            ray.shutdown()
-            if attempt == 1:
-                pytest.skip(f"a local Ray cluster did not start: {err}")
+    """One local Ray cluster for every test here (starting one costs seconds)."""
+    start_local_ray(num_cpus=4)
     yield
     ray.shutdown()
 

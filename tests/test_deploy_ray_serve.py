@@ -12,6 +12,7 @@ from collections import Counter
 
 import httpx
 import pytest
+from ray_helpers import start_local_ray
 from test_scheduler import make_tiny_llama, one_torch_thread  # noqa: F401
 
 from nanovllm import LLM, SamplingParams
@@ -46,7 +47,7 @@ def endpoint(tiny):
     stops everything and checks that the cluster's processes are gone. Started once: a Ray
     cluster and its replicas take seconds."""
     before = set(psutil.Process().children(recursive=True))
-    start_local_cluster()
+    start_local_ray(num_cpus=2)
     try:
         config = ServeConfig(model=tiny, served_model_name="tiny", port=free_port(),
                              engine_process=False, engine=OPTIONS)
@@ -57,21 +58,6 @@ def endpoint(tiny):
     finally:
         ray_serve.stop()
         ray.shutdown()
-
-
-def start_local_cluster() -> None:
-    """Two CPUs, no dashboard. Ray's raylet gives its dashboard agent a fixed 15 s to start
-    (ray-project/ray#65983), which a badly overloaded machine can miss: one retry, then a
-    skip that says so (as test_deploy_ray.py's cluster)."""
-    for attempt in range(2):
-        try:
-            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-                     configure_logging=False)
-            return
-        except Exception as err:  # (Ray raises a bare Exception for this)
-            ray.shutdown()
-            if attempt == 1:
-                pytest.skip(f"a local Ray cluster did not start: {err}")
 
 
 async def complete(client: httpx.AsyncClient, prompt: str) -> httpx.Response:
