@@ -9,7 +9,6 @@ exactly what its component buys: ``attention_backend``, ``enable_prefix_caching`
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import re
 from dataclasses import dataclass
@@ -255,15 +254,6 @@ class EngineConfig:
             raise ValueError(f"speculative_config method {self.speculative_config.method!r} "
                              "does not run with tensor_parallel_size > 1 yet (its draft would "
                              "run on every rank); 'ngram' does")
-        if self.async_scheduling:
-            raise ValueError("speculative_config needs async_scheduling=False (or None): a "
-                             "step's proposals depend on the tokens the step before accepted")
-        self.async_scheduling = False
-        if not self.enforce_eager and self.device.startswith("cuda"):
-            logging.getLogger("nanovllm").warning(
-                "speculative decoding runs its steps eagerly: CUDA graphs are off "
-                "(enforce_eager=True)")
-        self.enforce_eager = True
 
     def _check_backend(self) -> None:
         """Refuse, now rather than at the first step, what the chosen backend cannot run: each

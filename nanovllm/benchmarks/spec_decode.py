@@ -1,13 +1,16 @@
 """Where speculative decoding pays (chapter 14): speedup over plain decoding vs batch size
-and vs the number of proposals k, for the n-gram and self-speculative (draft_layers) methods;
-and, when SmolLM2's converted weights are present, its acceptance by position on real text.
+and vs the number of proposals k, for the n-gram, self-speculative (draft_layers) and
+draft-model methods; and, when SmolLM2's converted weights are present, its acceptance by
+position on real text.
 
 Random weights (``--model qwen3-0.6b``: the shipped config, ``load_format="dummy"``) make
-every request repeat one token, so both methods are accepted almost always: what this measures
+every request repeat one token, so the methods are accepted almost always: what this measures
 is the *cost* side (a verify step of k+1 tokens, k draft passes) at acceptance ~1, the best
 case. The step times recorded per run let the chapter price any acceptance rate; real text's
-rates come from SmolLM2. The baseline runs eagerly and with CUDA graphs (speculative steps
-run eagerly: ``EngineConfig._check_speculative``).
+rates come from SmolLM2. The draft model is the target's config cut to ``--draft-layers``
+layers (its own random weights). Every method runs with CUDA graphs on a GPU (verify steps
+replay the decode graphs, a row per token); the baseline and two speculative rows also run
+eagerly, to show what the graphs are worth.
 
     python -m nanovllm.benchmarks.spec_decode --out spec.json            # GPU: Qwen3-0.6B shape
     python -m nanovllm.benchmarks.spec_decode --tiny --batch-sizes 1 4 --ks 2   # CPU smoke run
@@ -35,13 +38,18 @@ TINY_SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads"
               "vocab_size": 512, "max_position_embeddings": 2048}
 
 
+def config_folder(base: str, prefix: str, **changes) -> str:
+    """A new folder holding ``base``'s config.json with ``changes`` (random weights)."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    config = json.loads((Path(base) / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+    return str(folder)
+
+
 def tiny_model() -> str:
     """A folder with the Qwen3-0.6B config shrunk to toy sizes (random weights): the CPU path."""
-    folder = Path(tempfile.mkdtemp(prefix="nanovllm_spec_tiny_"))
-    config = json.loads((config_path("qwen3-0.6b") / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, **TINY_SIZES,
-                                                     "eos_token_id": 0, "bos_token_id": 1}))
-    return str(folder)
+    return config_folder(str(config_path("qwen3-0.6b")), "nanovllm_spec_tiny_", **TINY_SIZES,
+                         eos_token_id=0, bos_token_id=1)
 
 
 def prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -80,13 +88,22 @@ def sweep(path: str, load_format: str, args, engine_options: dict, vocab: int) -
     configs = [("none (CUDA graphs)", None, {}), ("none (eager)", None, {"enforce_eager": True})]
     if not torch.cuda.is_available():
         configs = configs[1:]  # (no graphs on a CPU)
+    draft = config_folder(path, "nanovllm_spec_draft_", num_hidden_layers=args.draft_layers)
+    methods = {
+        "ngram": lambda k: {"method": "ngram", "num_speculative_tokens": k,
+                            "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+        "draft_layers": lambda k: {"method": "draft_layers", "num_layers": args.draft_layers,
+                                   "num_speculative_tokens": k},
+        "draft_model": lambda k: {"model": draft, "num_speculative_tokens": k},
+    }
     for k in args.ks:
-        configs.append(("ngram", k, {"speculative_config": {
-            "method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
-            "prompt_lookup_max": 3}}))
-        configs.append(("draft_layers", k, {"speculative_config": {
-            "method": "draft_layers", "num_layers": args.draft_layers,
-            "num_speculative_tokens": k}}))
+        for name, spec in methods.items():
+            configs.append((name, k, {"speculative_config": spec(k)}))
+    if torch.cuda.is_available():  # what CUDA graphs are worth to verify steps
+        k = args.ks[len(args.ks) // 2]
+        for name in ("ngram", "draft_layers"):
+            configs.append((f"{name} (eager)", k, {"speculative_config": methods[name](k),
+                                                   "enforce_eager": True}))
     runs = []
     for method, k, options in configs:
         llm = LLM(path, load_format=load_format, **engine_options, **options)

@@ -1,15 +1,59 @@
-"""CUDA graphs for decode steps (chapter 07).
+"""CUDA graphs for decode steps (chapter 07) and speculative verify steps (chapter 14).
 
 A graph replays a whole decode forward pass with one launch, at fixed addresses and a fixed
 batch size: inputs are copied into static buffers, and a batch is padded up to its bucket's
 size with rows that write nowhere (slot -1) and attend to nothing (length 0).
+
+A verify step (each request's last token and its k proposals) replays the same graphs, one
+row per token (``as_decode_rows``): vLLM v0's "batch expansion". Each layer writes every
+token's key and value before any row attends, so the row of position p sees keys 0..p of its
+own sequence, the proposals before it included -- what the packed causal pass computes.
 """
 
 from __future__ import annotations
 
 import torch
 
+from nanovllm.config import EngineConfig
 from nanovllm.context import AttentionMetadata, attention_metadata
+
+# Verify steps are replayed up to this many rows (tokens): speculation pays at small batches,
+# where a step is launch-bound; a larger step runs eagerly, as prompt chunks do.
+MAX_VERIFY_ROWS = 512
+
+
+def graph_rows(config: EngineConfig) -> int:
+    """The rows of the largest captured graph: ``max_num_seqs`` decodes, or with speculation
+    ``max_num_seqs`` verify steps of k + 1 tokens (at most ``MAX_VERIFY_ROWS``), within the
+    step's token budget."""
+    rows = config.max_num_seqs
+    spec = config.speculative_config
+    if spec is not None:
+        rows = max(rows, min(rows * (spec.num_speculative_tokens + 1), MAX_VERIFY_ROWS))
+    return min(rows, config.max_num_batched_tokens)
+
+
+def as_decode_rows(meta: AttentionMetadata, positions: torch.Tensor) -> AttentionMetadata:
+    """The metadata of a step whose sequences each bring consecutive new tokens (decodes,
+    verify steps), with every token as a sequence of its own: the token at position p attends
+    to its sequence's keys 0..p, through its sequence's block table. No device sync: the host
+    lengths come from the host copies."""
+    starts, lens = meta.cu_seqlens_q_host, meta.seq_lens_k_host
+    counts = [b - a for a, b in zip(starts, starts[1:])]
+    rows = torch.as_tensor(counts, device=meta.block_tables.device)
+    lens_host = [n - q + 1 + i for n, q in zip(lens, counts) for i in range(q)]
+    num_rows = len(lens_host)
+    return AttentionMetadata(
+        slot_mapping=meta.slot_mapping,
+        cu_seqlens_q=torch.arange(num_rows + 1, dtype=torch.int32, device=positions.device),
+        seq_lens_k=(positions + 1).to(torch.int32),
+        block_tables=meta.block_tables.repeat_interleave(rows, dim=0, output_size=num_rows),
+        max_seqlen_q=1,
+        max_seqlen_k=meta.max_seqlen_k,
+        num_decodes=num_rows,
+        cu_seqlens_q_host=list(range(num_rows + 1)),
+        seq_lens_k_host=lens_host,
+    )
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -124,7 +168,10 @@ class DecodeGraphs:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             meta: AttentionMetadata) -> torch.Tensor:
-        """Copy one decode batch into the static buffers, replay, return its hidden states."""
+        """Copy one decode batch (or verify step, a row per token) into the static buffers,
+        replay, return its hidden states."""
+        if meta.max_seqlen_q > 1:
+            meta = as_decode_rows(meta, positions)
         bs = self.inputs.fill(input_ids, positions, meta)
         self.graphs[bs].replay()
         return self.hidden[: input_ids.shape[0]]

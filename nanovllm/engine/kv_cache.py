@@ -16,6 +16,7 @@ import torch
 
 from nanovllm import distributed
 from nanovllm.config import EngineConfig
+from nanovllm.engine.cuda_graphs import graph_rows
 from nanovllm.models import ModelConfig
 
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -87,8 +88,8 @@ def engine_bytes(allocated_at_start: int | None, config: EngineConfig, device: t
     may allocate meanwhile (a replica starting beside this one), and that is not ours."""
     if allocated_at_start is None:
         return 0.0
-    graph_rows = min(config.max_num_seqs, config.max_num_batched_tokens)
-    graphs = activations * graph_rows / config.max_num_batched_tokens if with_graphs else 0.0
+    rows = graph_rows(config)
+    graphs = activations * rows / config.max_num_batched_tokens if with_graphs else 0.0
     return torch.cuda.memory_allocated(device) - allocated_at_start + activations + graphs
 
 

@@ -163,8 +163,11 @@ class LLMEngine:
 
         A step with a constrained request (chapter 15) stays in the pipeline, but its mask needs
         the step in flight's tokens on the host: its sampling waits until they land
-        (``_execute_constrained``); a step with none takes the path above unchanged."""
+        (``_execute_constrained``); a step with none takes the path above unchanged. With
+        speculative decoding (chapter 14) a step in which a request decodes proposes, verifies
+        and accepts at once; only steps of prompts alone stay in flight."""
         start = time.perf_counter()
+        landed = self._land_before_speculating()
         scheduler_output = self.scheduler.schedule(start)
         if self._in_flight is not None and _constrained(scheduler_output):
             outputs = self._execute_constrained(scheduler_output)
@@ -173,20 +176,35 @@ class LLMEngine:
             outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         if scheduler_output.seqs:
             self._record_step(scheduler_output, start)
-        return outputs
+        return landed + outputs
+
+    def _land_before_speculating(self) -> list[EngineCoreOutput]:
+        """With speculation and async scheduling: land the step in flight before scheduling,
+        since the next step's proposals continue the tokens it sampled (chapter 14 §6). Only
+        steps in which no request decodes (prompts alone) are left in flight by ``_execute``."""
+        if self.speculator is None or self._in_flight is None:
+            return []
+        return self.scheduler.update_from_output(SchedulerOutput([], []), self._land())
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Launch the step; return the tokens of the step that is done: this one, or with
         async scheduling the previous one (None if there is none)."""
         self.runner.forget(scheduler_output.finished_seq_ids)
-        if self.speculator is not None:  # propose, verify, accept: synchronous (chapter 14)
-            return self.speculator.execute(scheduler_output) if scheduler_output.seqs else None
+        if self.speculator is not None and self._speculates(scheduler_output):
+            return self.speculator.execute(scheduler_output)  # synchronous (chapter 14)
         launched = self._launch(scheduler_output)
         previous = self._in_flight
         self._in_flight = (scheduler_output, launched) if launched is not None else None
         if not self.config.async_scheduling:
             return self._land()
         return None if previous is None else self._collect(*previous)
+
+    def _speculates(self, scheduler_output: SchedulerOutput) -> bool:
+        """Whether the speculator runs this step: one in which a request decodes, or any step
+        without async scheduling or with a draft model, whose cache follows every step."""
+        return bool(scheduler_output.seqs) and (
+            scheduler_output.num_decodes > 0 or not self.config.async_scheduling
+            or self.speculator.follows_target)
 
     def _execute_constrained(self, scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
         """Async scheduling with a constrained request (``structured_output/masks.py`` says

@@ -19,7 +19,7 @@ from nanovllm import distributed
 from nanovllm.config import EngineConfig
 from nanovllm.context import AttentionMetadata, attention_metadata
 from nanovllm.engine import kv_cache
-from nanovllm.engine.cuda_graphs import DecodeGraphs
+from nanovllm.engine.cuda_graphs import DecodeGraphs, graph_rows
 from nanovllm.engine.executor import TPExecutor
 from nanovllm.engine.sampling_metadata import SamplingInputs
 from nanovllm.engine.scheduler_output import SchedulerOutput
@@ -158,7 +158,7 @@ class ModelRunner:
     def _capture_graphs(self) -> None:
         self.graphs = None  # frees the old graphs' memory pool before capturing anew
         max_blocks = -(-self.config.max_model_len // self.block_size)
-        self.graphs = DecodeGraphs(self.model, self.config.max_num_seqs, max_blocks,
+        self.graphs = DecodeGraphs(self.model, graph_rows(self.config), max_blocks,
                                    self.block_size, self.model_config.hidden_size, self.device,
                                    self.dtype)
 

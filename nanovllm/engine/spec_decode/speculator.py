@@ -112,13 +112,15 @@ class Speculator:
                                                scheduler.stop_checker.tokenizer)
         else:
             self.proposer = DraftLayersProposer(runner, config.num_layers, k)
+        # A draft model keeps a cache of its own: it must see every target step (``follow``).
+        self.follows_target = isinstance(self.proposer, DraftModelProposer)
         self.stats = SpecDecodeStats(k)
         self.last_step = SpecDecodeStats(k)  # the latest step's counts alone (StepMetrics)
 
     def release(self) -> None:
         """Give back what the proposer holds on the device (a draft model's weights and
         cache), before the runner gives back its own (``LLMEngine.shutdown``)."""
-        if isinstance(self.proposer, DraftModelProposer):
+        if self.follows_target:
             self.proposer.release()
 
     @staticmethod
@@ -219,10 +221,15 @@ class Speculator:
         ends = step.plan.longs.unpack()["sample_indices"].tolist()
         index = [p for end, n in zip(ends, counts) for p in range(end - n, end + 1)]
         step.plan.verify_rows = index
+        # Within its buckets a verify step replays the decode graphs, a row per token
+        # (``cuda_graphs.as_decode_rows``); longer prompt chunks run eagerly.
+        graphs = runner.graphs
+        step.plan.use_graphs = (graphs is not None and graphs.can_run(step.plan.num_tokens)
+                                and step.plan.max_seqlen_q <= self.config.num_speculative_tokens + 1)
         if runner.executor is not None:  # tensor parallelism: the workers follow this step
             runner.executor.send(("step", step.plan))
         hidden = runner._forward(step.input_ids, step.positions, step.meta, step.plan)
-        if isinstance(self.proposer, DraftModelProposer):
+        if self.follows_target:
             self.proposer.follow(step)  # its own cache: the same tokens at the same slots
         if not seqs:
             return [None] * len(batch.seqs)
