@@ -573,8 +573,51 @@ except ValueError as err:
 # dominate). At batch $B$ the verify step scores $B(k+1)$ tokens; once $B(k+1)$ passes the
 # ridge point, the step time grows with it and the rejected proposals are paid for in full.
 # At large batch the GPU is already busy: plain decoding uses the arithmetic better, and
-# speculation only slows it. Two more costs grow with the batch: the draft's own passes, and
-# (in nanovllm) speculative steps run eagerly, without chapter 07's CUDA graphs.
+# speculation only slows it. The draft's own passes are a cost that grows with the batch too.
+#
+# ### Verify steps in CUDA graphs
+#
+# At small batch, where speculation pays, a step is short enough that launching its kernels
+# one by one costs as much as running them: chapter 07 captured decode steps in CUDA graphs for
+# that reason. A verify step is not a decode step (each request brings $k+1$ tokens), but it
+# can replay the decode graphs anyway: give each of its tokens a row of its own, with the
+# request's block table and a length that ends at the token's position
+# (`nanovllm/engine/cuda_graphs.py`, `as_decode_rows`; vLLM's first speculative decoding
+# called this *batch expansion*). Every layer writes all the step's keys and values before any
+# row attends, so the row of proposal $j$ sees the proposals before it, as the packed causal
+# pass does. With speculation on, the engine captures graphs up to `max_num_seqs` × $(k+1)$
+# rows (at most 512); larger steps run eagerly, as prompt chunks do.
+
+# %%
+from nanovllm.engine.cuda_graphs import as_decode_rows  # noqa: E402
+from nanovllm.engine.scheduler_output import SchedulerOutput  # noqa: E402
+
+demo = LLM(str(tiny), num_kv_blocks=32)
+seqs = [demo.engine.make_sequence(p, greedy16) for p in ([5, 6, 7], [9] * 6)]
+for seq in seqs:  # a decode at position 2, and a verify step over positions 2..5
+    demo.engine.block_manager.allocate(seq, seq.num_tokens)
+    seq.num_computed_tokens = 2
+packed = demo.engine.runner.prepare(SchedulerOutput(seqs, [1, 4])).meta
+rows = as_decode_rows(packed, torch.tensor([2, 2, 3, 4, 5]))
+print("packed: query rows per request", [b - a for a, b in zip(packed.cu_seqlens_q_host,
+                                                                 packed.cu_seqlens_q_host[1:])],
+      "keys", packed.seq_lens_k_host)
+print("as decode rows: keys per row", rows.seq_lens_k_host,
+      "block tables", rows.block_tables[:, 0].tolist())
+
+# %% [markdown]
+# `tests/test_spec_decode_graphs.py` checks that the expanded rows give the packed pass's
+# hidden states, and that the engine's greedy tokens stay those of plain decoding when verify
+# steps go through the graphs' buffers and padding (a stand-in replays them on a CPU); on the
+# H200, `tests/gpu/spec_h200.sh` checks real graphs against eager runs.
+#
+# **Async scheduling** (chapter 11) overlaps planning step $n+1$ with the device computing step
+# $n$. A speculative step cannot be planned that early here: its proposals continue the tokens
+# step $n$ samples, and its positions depend on how many of step $n$'s proposals were
+# accepted. So with speculation on, a step in which a request decodes proposes, verifies and
+# accepts at once, while steps of prompts alone stay in flight and the next step lands them
+# before proposing. (vLLM overlaps speculative steps too, by proposing on the GPU from tokens
+# that never visit the host: its `ngram_gpu` method and its draft models.)
 #
 # `nanovllm/benchmarks/spec_decode.py` measures the speedup against batch size and $k$;
 # `tests/gpu/spec_h200.sh` runs it on the H200 on the Qwen3-0.6B shape. With random weights
@@ -604,10 +647,19 @@ for r in runs:
     if r["method"].startswith("none"):
         best_base[r["batch"]] = max(best_base.get(r["batch"], 0.0), r["tokens_per_s"])
 print(source)
+# What the graphs are worth to verify steps: the eager runs of the record, beside their twins.
+graphed = {(r["method"], r["k"], r["batch"]): r["tokens_per_s"] for r in runs}
+for r in runs:
+    if r["method"].endswith(" (eager)"):
+        twin = graphed[(r["method"].removesuffix(" (eager)"), r["k"], r["batch"])]
+        print(f"{r['method']:22} k={r['k']} batch {r['batch']:3}: {r['tokens_per_s']:8,.0f} "
+              f"tok/s eager, {twin:8,.0f} with CUDA graphs ({twin / r['tokens_per_s']:.2f}x)")
+if not any(r["method"].endswith(" (eager)") for r in runs):
+    print("(no CUDA graphs on a CPU: no eager-vs-graphs rows in this run)")
 
 # %%
 fig, ax = plt.subplots(figsize=(6.5, 3.4))
-styles = {"ngram": "o-", "draft_layers": "s--"}
+styles = {"ngram": "o-", "draft_layers": "s--", "draft_model": "^:"}
 for i, k in enumerate(sorted({r["k"] for r in runs if r["k"]})):
     for method, style in styles.items():
         rows = sorted((r for r in runs if r["method"] == method and r["k"] == k),
@@ -704,10 +756,11 @@ except ValueError as err:
 #   the target's vocabulary and block ids, with a cache of its own that its proposer alone
 #   writes (the proposals, then the verified step replayed).
 # - At large batch the step is compute-bound: rejected proposals cost real time, and
-#   speculation stops paying. What speculation does not support (async scheduling, CUDA
-#   graphs for its steps, penalties, logprobs, tensor parallelism for the model drafts) is
-#   refused or falls back visibly, never silently wrong; prompt lookup runs under tensor
-#   parallelism, its workers following each verify step.
+#   speculation stops paying. At small batch, verify steps replay the decode CUDA graphs with a
+#   row per token; with async scheduling, speculative steps wait for the step before them.
+#   What speculation does not support (penalties, logprobs, tensor parallelism for the model
+#   drafts) is refused with a clear error, never silently wrong; prompt lookup runs under
+#   tensor parallelism, its workers following each verify step.
 # - The server takes the same `speculative_config`, as JSON after `--speculative-config` or as
 #   a mapping in its YAML file, and its `/metrics` counts proposed and accepted tokens, and the
 #   accepted ones by position (`nanovllm:spec_decode_*`, vLLM's names).

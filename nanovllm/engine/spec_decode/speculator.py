@@ -223,9 +223,9 @@ class Speculator:
         step.plan.verify_rows = index
         # Within its buckets a verify step replays the decode graphs, a row per token
         # (``cuda_graphs.as_decode_rows``); longer prompt chunks run eagerly.
-        graphs = runner.graphs
-        step.plan.use_graphs = (graphs is not None and graphs.can_run(step.plan.num_tokens)
-                                and step.plan.max_seqlen_q <= self.config.num_speculative_tokens + 1)
+        graphs, plan = runner.graphs, step.plan
+        plan.use_graphs = (graphs is not None and graphs.can_run(plan.num_tokens)
+                           and plan.max_seqlen_q <= self.config.num_speculative_tokens + 1)
         if runner.executor is not None:  # tensor parallelism: the workers follow this step
             runner.executor.send(("step", step.plan))
         hidden = runner._forward(step.input_ids, step.positions, step.meta, step.plan)
