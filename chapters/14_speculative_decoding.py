@@ -651,7 +651,8 @@ print(source)
 graphed = {(r["method"], r["k"], r["batch"]): r["tokens_per_s"] for r in runs}
 for r in runs:
     if r["method"].endswith(" (eager)"):
-        twin = graphed[(r["method"].removesuffix(" (eager)"), r["k"], r["batch"])]
+        name = r["method"].removesuffix(" (eager)")
+        twin = graphed[(name + " (CUDA graphs)" if name == "none" else name, r["k"], r["batch"])]
         print(f"{r['method']:22} k={r['k']} batch {r['batch']:3}: {r['tokens_per_s']:8,.0f} "
               f"tok/s eager, {twin:8,.0f} with CUDA graphs ({twin / r['tokens_per_s']:.2f}x)")
 if not any(r["method"].endswith(" (eager)") for r in runs):

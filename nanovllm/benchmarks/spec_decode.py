@@ -171,8 +171,11 @@ def main(argv: list[str] | None = None) -> None:
     config = json.loads((Path(path) / "config.json").read_text())
     layers = config["num_hidden_layers"]
     args.draft_layers = args.draft_layers or max(1, layers // 4)
-    engine_options = {"max_num_seqs": max(args.batch_sizes),
-                      "max_model_len": args.prompt_len + args.max_tokens + max(args.ks) + 16}
+    max_len = args.prompt_len + args.max_tokens + max(args.ks) + 16
+    # The same cache for every engine, room for the largest batch: a draft model's cache then
+    # fits beside it (by default the target's takes the whole memory share).
+    engine_options = {"max_num_seqs": max(args.batch_sizes), "max_model_len": max_len,
+                      "num_kv_blocks": max(args.batch_sizes) * (-(-max_len // 16) + 1)}
     results = {**run_metadata("nanovllm.benchmarks.spec_decode", argv, device),
                "model": args.model or ("tiny" if args.tiny else "qwen3-0.6b"),
                "load_format": load_format, "num_layers": layers,

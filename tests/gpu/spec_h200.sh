@@ -40,7 +40,7 @@ cases = {"ngram eager": (NGRAM, {"enforce_eager": True}), "ngram graphs": (NGRAM
          "draft_layers eager": (LAYERS, {"enforce_eager": True}),
          "draft_layers graphs": (LAYERS, {}),
          "draft_layers graphs async": (LAYERS, {"async_scheduling": True}),
-         "draft_model graphs": (SELF, {})}
+         "draft_model graphs": (SELF, {"gpu_memory_utilization": 0.4})}
 result = {}
 for name, (spec, options) in cases.items():
     llm = LLM(str(path), dtype="float32", speculative_config=spec, **options)
