@@ -222,6 +222,6 @@ def test_the_benchmark_runs_on_a_cpu_with_tiny_sizes(tmp_path):
     spec_decode.main(["--tiny", "--batch-sizes", "1", "3", "--ks", "2", "--max-tokens", "8",
                       "--prompt-len", "8", "--out", str(out)])
     runs = json.loads(out.read_text())["runs"]
-    assert {r["method"] for r in runs} == {"none (eager)", "ngram", "draft_layers"}
+    assert {r["method"] for r in runs} == {"none (eager)", "ngram", "draft_layers", "draft_model"}
     assert all(r["output_tokens"] == 8 * r["batch"] for r in runs)
     assert all(r["acceptance"] > 0.5 for r in runs if r["k"])  # random weights repeat

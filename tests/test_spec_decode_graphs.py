@@ -1,5 +1,6 @@
-"""Speculative verify steps through the decode CUDA graphs (chapter 14 §2, chapter 07): a
-verify step replays the graphs with a row per token (``cuda_graphs.as_decode_rows``).
+"""Speculative steps through CUDA graphs (chapter 14 §5, chapter 07): a verify step replays
+the decode graphs with a row per token (``cuda_graphs.as_decode_rows``), and a draft's
+one-token passes replay graphs of their own.
 
 Capture and replay need a GPU (tests/gpu/spec_h200.sh compares graphs with eager there); on
 a CPU the graphs' stand-in replays the recorded decode forward pass eagerly, over the same
@@ -45,13 +46,20 @@ class CPUGraphs(DecodeGraphs):
         self.graphs = {bs: EagerReplay(self, bs) for bs in self.buckets}
 
 
-def with_cpu_graphs(llm: LLM) -> CPUGraphs:
-    runner = llm.engine.runner
+def with_cpu_graphs(llm: LLM) -> tuple[CPUGraphs, CPUGraphs | None]:
+    """Stand-ins for the target's graphs and, for a draft of layers or a draft model, the
+    draft's own (its one-token passes)."""
+    runner, proposer = llm.engine.runner, llm.engine.speculator.proposer
     max_blocks = -(-runner.config.max_model_len // runner.block_size)
-    runner.graphs = CPUGraphs(runner.model, graph_rows(runner.config), max_blocks,
-                              runner.block_size, runner.model_config.hidden_size,
-                              runner.device, runner.dtype)
-    return runner.graphs
+    shape = (max_blocks, runner.block_size)
+    runner.graphs = CPUGraphs(runner.model, graph_rows(runner.config), *shape,
+                              runner.model_config.hidden_size, runner.device, runner.dtype)
+    if not hasattr(proposer, "graphs"):
+        return runner.graphs, None
+    hidden = getattr(proposer, "model_config", runner.model_config).hidden_size
+    proposer.graphs = CPUGraphs(proposer._hidden, runner.config.max_num_seqs, *shape, hidden,
+                                runner.device, runner.dtype)
+    return runner.graphs, proposer.graphs
 
 
 @pytest.fixture(scope="module")
@@ -65,10 +73,12 @@ def reference(tiny):
     return [o.token_ids for o in llm.generate(PROMPTS + [REPEAT], GREEDY, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("spec", [NGRAM, LAYERS], ids=["ngram", "draft_layers"])
+@pytest.mark.parametrize("spec", ["ngram", "draft_layers", "draft_model"])
 def test_verify_steps_replay_the_decode_graphs_exactly(tiny, reference, spec):
+    spec = {"ngram": NGRAM, "draft_layers": LAYERS,
+            "draft_model": {"model": str(tiny), "num_speculative_tokens": 3}}[spec]
     llm = LLM(tiny, num_kv_blocks=256, max_num_seqs=4, speculative_config=spec)
-    graphs = with_cpu_graphs(llm)
+    graphs, draft_graphs = with_cpu_graphs(llm)
     assert graphs.buckets[-1] >= 4 * (3 + 1)  # room for four verify steps of k + 1 tokens
     outs = llm.generate(PROMPTS + [REPEAT], GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == reference
@@ -76,6 +86,8 @@ def test_verify_steps_replay_the_decode_graphs_exactly(tiny, reference, spec):
     assert stats.num_accepted_tokens > 0
     # Verify steps went through the graphs: replays of more rows than there are sequences.
     assert max(graphs.rows_replayed) > 4
+    if draft_graphs is not None:  # and every draft pass through the draft's
+        assert len(draft_graphs.rows_replayed) >= stats.num_steps
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
 

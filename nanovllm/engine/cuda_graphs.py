@@ -12,6 +12,8 @@ own sequence, the proposals before it included -- what the packed causal pass co
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from nanovllm.config import EngineConfig
@@ -125,8 +127,11 @@ class StaticInputs:
 class DecodeGraphs:
     """Captured decode forward passes, one per batch-size bucket, sharing one memory pool."""
 
-    def __init__(self, model: torch.nn.Module, max_batch: int, max_blocks: int, block_size: int,
-                 hidden_size: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, model: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 max_batch: int, max_blocks: int, block_size: int, hidden_size: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        """``model(input_ids, positions)`` -> hidden states: the model, or a part of it (a
+        self-speculative draft's first layers, chapter 14)."""
         self.model = model
         self.max_len = max_blocks * block_size
         self.buckets = batch_buckets(max_batch)

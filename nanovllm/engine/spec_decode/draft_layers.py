@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from nanovllm.context import AttentionMetadata, attention_metadata
+from nanovllm.engine.cuda_graphs import DecodeGraphs
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.spec_decode.rejection_sampler import sample_rows, target_probs
 from nanovllm.layers.sampler import SamplingTensors
@@ -37,6 +38,25 @@ class DraftLayersProposer:
 
     def __init__(self, runner, num_layers: int, k: int) -> None:
         self.runner, self.num_layers, self.k = runner, num_layers, k
+        self.graphs: DecodeGraphs | None = None
+        if num_layers:  # (a draft model captures its own, once it is built)
+            self._capture_graphs(runner.model_config.hidden_size)
+
+    def _capture_graphs(self, hidden_size: int) -> None:
+        """Capture the draft's one-token passes in CUDA graphs, one per batch-size bucket, when
+        the target's decode steps are captured (chapter 07): at small batch a draft pass is as
+        launch-bound as a decode step. Not under tensor parallelism, whose workers replay
+        nothing of the draft's."""
+        runner = self.runner
+        if runner.graphs is None or runner.executor is not None:
+            return
+        max_blocks = -(-runner.config.max_model_len // runner.block_size)
+        self.graphs = DecodeGraphs(self._hidden, runner.config.max_num_seqs, max_blocks,
+                                   runner.block_size, hidden_size, runner.device, runner.dtype)
+
+    def release(self) -> None:
+        """Drop the draft's CUDA graphs (``LLM.shutdown``)."""
+        self.graphs = None
 
     def _hidden(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The draft's final hidden states: embeddings, the first layers, the final norm
@@ -48,10 +68,19 @@ class DraftLayersProposer:
         x, _ = decoder.norm(x, residual)
         return x
 
-    def _logits(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The draft's logits for one token per sequence (a separate draft model, in
-        ``draft_model.py``, runs its own model here)."""
-        return self.runner.model.compute_logits(self._hidden(input_ids, positions))
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The draft's logits from its hidden states (a separate draft model, in
+        ``draft_model.py``, has an LM head of its own)."""
+        return self.runner.model.compute_logits(hidden)
+
+    def _draft_pass(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                    meta: AttentionMetadata) -> torch.Tensor:
+        """One token per sequence through the draft: its logits. Replayed from a CUDA graph
+        where one was captured for the batch."""
+        if self.graphs is not None and self.graphs.can_run(len(meta.seq_lens_k_host)):
+            return self._logits(self.graphs.run(input_ids, positions, meta))
+        with attention_metadata(meta):
+            return self._logits(self._hidden(input_ids, positions))
 
     def _metadata(self, seqs: list[Sequence], positions: list[int]) -> AttentionMetadata:
         """One query token per sequence at ``positions``: a decode batch's metadata."""
@@ -90,10 +119,9 @@ class DraftLayersProposer:
             picked = [seqs[r] for r in active]
             positions = [s.num_tokens - 1 + j for s in picked]  # x_last at P, draft j at P + j
             inputs = [last[rows.index(r)] if j == 0 else drafts[r][-1] for r in active]
-            meta = self._metadata(picked, positions)
-            with attention_metadata(meta):
-                logits = self._logits(runner._to_device(inputs, torch.int64),
-                                      runner._to_device(positions, torch.int64))
+            logits = self._draft_pass(runner._to_device(inputs, torch.int64),
+                                      runner._to_device(positions, torch.int64),
+                                      self._metadata(picked, positions))
             dist = target_probs(logits, select_rows(sampling, active))
             tokens = sample_rows(dist, [sampling.generators[r] for r in active],
                                  runner.sampler.generator).tolist()

@@ -73,6 +73,7 @@ class DraftModelProposer(DraftLayersProposer):
         self.kv_cache = kv_cache.allocate_kv_cache(self.model_config, self.layers,
                                                    runner.num_kv_blocks, runner.block_size,
                                                    runner.kv_dtype, runner.device)
+        self._capture_graphs(self.model_config.hidden_size)
 
     def _check_window_and_length(self, max_model_len: int, folder: str) -> None:
         mc, target_window = self.model_config, self.runner.model_config.sliding_window
@@ -123,8 +124,11 @@ class DraftModelProposer(DraftLayersProposer):
                              f"{free / kv_cache.GiB:.2f} GiB left; lower "
                              "gpu_memory_utilization or pass num_kv_blocks=")
 
-    def _logits(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(self.model(input_ids, positions))
+    def _hidden(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def follow(self, step: PreparedBatch) -> None:
@@ -136,6 +140,7 @@ class DraftModelProposer(DraftLayersProposer):
     def release(self) -> None:
         """Drop the draft's weights and cache (``LLM.shutdown``: the runner then hands the
         freed memory back to the driver)."""
+        super().release()  # the graphs first: they hold the model's buffers
         for layer in self.layers:
             layer.k_cache = layer.v_cache = torch.empty(0)
         self.layers = []

@@ -57,6 +57,9 @@ class NgramProposer:
     def __init__(self, k: int, min_n: int, max_n: int) -> None:
         self.k, self.min_n, self.max_n = k, min_n, max_n
 
+    def release(self) -> None:
+        """Nothing to give back: prompt lookup holds nothing on the device."""
+
     def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[list[int]]:
         """At most ``budgets[i]`` (<= k) proposed tokens for each of ``seqs``."""
         return [ngram_propose(seq.token_ids, min(b, self.k), self.min_n, self.max_n) if b > 0

@@ -118,10 +118,9 @@ class Speculator:
         self.last_step = SpecDecodeStats(k)  # the latest step's counts alone (StepMetrics)
 
     def release(self) -> None:
-        """Give back what the proposer holds on the device (a draft model's weights and
-        cache), before the runner gives back its own (``LLMEngine.shutdown``)."""
-        if self.follows_target:
-            self.proposer.release()
+        """Give back what the proposer holds on the device (its CUDA graphs, a draft model's
+        weights and cache), before the runner gives back its own (``LLMEngine.shutdown``)."""
+        self.proposer.release()
 
     @staticmethod
     def check_params(params: SamplingParams) -> None:
