@@ -251,10 +251,6 @@ class EngineConfig:
         self.speculative_config = parse_speculative_config(self.speculative_config)
         if self.speculative_config is None:
             return
-        if self.tensor_parallel_size > 1 and self.speculative_config.method != "ngram":
-            raise ValueError(f"speculative_config method {self.speculative_config.method!r} "
-                             "does not run with tensor_parallel_size > 1 yet (its draft would "
-                             "run on every rank); 'ngram' does")
         if self.async_scheduling:
             raise ValueError("speculative_config needs async_scheduling=False (or None): a "
                              "step's proposals depend on the tokens the step before accepted")

@@ -128,11 +128,13 @@ def test_bad_configs_are_refused_at_construction(tiny, spec, message):
         LLM(tiny, num_kv_blocks=16, speculative_config=spec)
 
 
+@pytest.mark.parametrize("spec", [NGRAM, LAYERS], ids=["ngram", "draft_layers"])
 @pytest.mark.assignment(*SPEC, "14.ngram_propose", "09.row_shard", "09.vocab_embed")
-def test_ngram_under_tensor_parallelism_equals_one_rank(tiny, reference):
+def test_under_tensor_parallelism_equals_one_rank(tiny, reference, spec):
     """TP=2 on gloo: the workers follow each verify step (its k + 1 LM-head rows per
-    request) and the greedy tokens are those of one rank without speculation."""
-    llm, outs = generate(tiny, GREEDY, PROMPTS + [REPEAT], speculative_config=NGRAM,
+    request) and each draft pass of the target's first layer, and the greedy tokens are
+    those of one rank without speculation."""
+    llm, outs = generate(tiny, GREEDY, PROMPTS + [REPEAT], speculative_config=spec,
                          tensor_parallel_size=2)
     try:
         assert [o.token_ids for o in outs] == reference
@@ -145,8 +147,6 @@ def test_ngram_under_tensor_parallelism_equals_one_rank(tiny, reference):
 def test_unsupported_engine_features_are_refused(tiny):
     with pytest.raises(ValueError, match="async_scheduling"):
         LLM(tiny, num_kv_blocks=16, speculative_config=NGRAM, async_scheduling=True)
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        LLM(tiny, num_kv_blocks=16, speculative_config=LAYERS, tensor_parallel_size=2)
     llm = LLM(tiny, num_kv_blocks=16, speculative_config=NGRAM)
     assert llm.engine.config.async_scheduling is False  # the visible fallback
     assert llm.engine.config.enforce_eager is True

@@ -8,6 +8,11 @@ Drafting token j writes those layers' entries at the slot of position ``P + j`` 
 overwrites them with the same values (or, past a rejection, values that later steps
 overwrite again). Each draft step is a batched one-token decode through a fraction of the
 model: cheaper than a target step by about ``num_layers / model_layers``.
+
+Under tensor parallelism (chapter 09) each draft pass holds collectives (the row-parallel
+layers' all-reduces, the LM head's gather), so every rank runs it: rank 0 sends the pass's
+inputs, a ``StepPlan`` of one decode token per request, as a "draft" message, and the workers
+run the same ``run_pass`` on their shards. Rank 0 alone samples the proposals.
 """
 
 from __future__ import annotations
@@ -15,9 +20,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from nanovllm.context import AttentionMetadata, attention_metadata
+from nanovllm.context import attention_metadata
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.spec_decode.rejection_sampler import sample_rows, target_probs
+from nanovllm.engine.step import PackedArrays, StepPlan
 from nanovllm.layers.sampler import SamplingTensors
 
 
@@ -53,20 +59,42 @@ class DraftLayersProposer:
         ``draft_model.py``, runs its own model here)."""
         return self.runner.model.compute_logits(self._hidden(input_ids, positions))
 
-    def _metadata(self, seqs: list[Sequence], positions: list[int]) -> AttentionMetadata:
-        """One query token per sequence at ``positions``: a decode batch's metadata."""
-        bs, to_device = self.runner.block_size, self.runner._to_device
+    def _pass_plan(self, seqs: list[Sequence], positions: list[int], inputs: list[int]
+                   ) -> StepPlan:
+        """One draft pass, one query token per sequence at ``positions``, as host arrays in
+        the layout of a decode step (``step.py``): what tensor-parallel workers receive."""
+        bs, n = self.runner.block_size, len(seqs)
         slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)]
-        tables = np.full((len(seqs), max(len(s.block_table) for s in seqs)), -1, np.int32)
+        tables = np.full((n, max(len(s.block_table) for s in seqs)), -1, np.int32)
         for row, seq in enumerate(seqs):
             tables[row, : len(seq.block_table)] = seq.block_table
-        lens = [p + 1 for p in positions]
-        cu = list(range(len(seqs) + 1))
-        return AttentionMetadata(
-            slot_mapping=to_device(slots, torch.int64), cu_seqlens_q=to_device(cu, torch.int32),
-            seq_lens_k=to_device(lens, torch.int32), block_tables=to_device(tables, torch.int32),
-            max_seqlen_q=1, max_seqlen_k=max(lens), num_decodes=len(seqs),
-            cu_seqlens_q_host=cu, seq_lens_k_host=lens)
+        longs = PackedArrays.pack(np.int64, input_ids=inputs, positions=positions,
+                                  slot_mapping=slots, sample_indices=range(n),
+                                  patch_targets=[], patch_sources=[])
+        ints = PackedArrays.pack(np.int32, cu_seqlens_q=range(n + 1),
+                                 seq_lens_k=[p + 1 for p in positions], block_tables=tables)
+        return StepPlan(longs, ints, max_seqlen_q=1, num_decodes=n)
+
+    @torch.inference_mode()
+    def run_pass(self, plan: StepPlan) -> torch.Tensor:
+        """One draft pass on this rank: its logits [num_seqs, V]. Under tensor parallelism
+        every rank runs it in lockstep (its layers all-reduce, its LM head gathers): rank 0
+        from ``propose``, each worker when rank 0's "draft" message brings the plan."""
+        longs, meta = self.runner._materialize(plan)
+        with attention_metadata(meta):
+            return self._logits(longs["input_ids"], longs["positions"])
+
+    def _pass_on_every_rank(self, plan: StepPlan) -> torch.Tensor:
+        """``run_pass`` here (rank 0) and, under tensor parallelism, on every worker."""
+        executor = self.runner.executor
+        if executor is not None:
+            executor.send(("draft", plan))
+        try:
+            return self.run_pass(plan)
+        except Exception:
+            if executor is not None:  # a lost worker explains a failed collective best
+                executor.raise_if_a_worker_died()
+            raise
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], budgets: list[int], sampling: SamplingTensors
@@ -90,10 +118,7 @@ class DraftLayersProposer:
             picked = [seqs[r] for r in active]
             positions = [s.num_tokens - 1 + j for s in picked]  # x_last at P, draft j at P + j
             inputs = [last[rows.index(r)] if j == 0 else drafts[r][-1] for r in active]
-            meta = self._metadata(picked, positions)
-            with attention_metadata(meta):
-                logits = self._logits(runner._to_device(inputs, torch.int64),
-                                      runner._to_device(positions, torch.int64))
+            logits = self._pass_on_every_rank(self._pass_plan(picked, positions, inputs))
             dist = target_probs(logits, select_rows(sampling, active))
             tokens = sample_rows(dist, [sampling.generators[r] for r in active],
                                  runner.sampler.generator).tolist()
