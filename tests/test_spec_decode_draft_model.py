@@ -17,6 +17,7 @@ import torch
 from course_ids import ENGINE
 from safetensors.torch import load_file, save_file
 from test_scheduler import PROMPTS, make_tiny_llama, one_torch_thread  # noqa: F401
+from test_tensor_parallel import ranks_deadline
 from test_spec_decode_sampler import ALPHA, SMALL_VOCAB, homogeneity, sample_positions
 
 from nanovllm import LLM, SamplingParams
@@ -51,7 +52,8 @@ def models(tmp_path_factory):
 
 def generate(path, prompts, params=GREEDY, **options):
     llm = LLM(path, num_kv_blocks=options.pop("num_kv_blocks", 128), **options)
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    with ranks_deadline(llm):  # (tensor parallelism: a deadlock fails, not hangs)
+        outs = llm.generate(prompts, params, use_tqdm=False)
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks  # every block back, rejected slots included
     return llm, outs
