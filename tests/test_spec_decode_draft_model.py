@@ -17,8 +17,8 @@ import torch
 from course_ids import ENGINE
 from safetensors.torch import load_file, save_file
 from test_scheduler import PROMPTS, make_tiny_llama, one_torch_thread  # noqa: F401
-from test_tensor_parallel import ranks_deadline
 from test_spec_decode_sampler import ALPHA, SMALL_VOCAB, homogeneity, sample_positions
+from test_tensor_parallel import ranks_deadline
 
 from nanovllm import LLM, SamplingParams
 

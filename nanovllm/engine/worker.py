@@ -1,5 +1,10 @@
 """A tensor-parallel worker: one shard of the model, following rank 0 (chapter 09).
 
+Rank 0's messages: "step" (a ``StepPlan`` to run through the forward pass and LM head),
+"draft" (one pass of a speculative draft that is a model, chapter 14: the target's first
+layers, or a draft model of which this rank holds a shard), "call" (a runner method) and
+"stop".
+
 Rank 0 starts these itself (``executor.py``). To spread ranks over several hosts, start one
 per extra GPU with torch.distributed's environment variables, e.g. on a second host::
 

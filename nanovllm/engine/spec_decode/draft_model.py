@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from nanovllm.context import AttentionMetadata, attention_metadata
+from nanovllm.context import attention_metadata
 from nanovllm.engine import kv_cache
 from nanovllm.engine.spec_decode.draft_layers import DraftLayersProposer
 from nanovllm.engine.step import PreparedBatch, StepPlan
@@ -137,19 +137,15 @@ class DraftModelProposer(DraftLayersProposer):
     def follow(self, step: PreparedBatch) -> None:
         """Compute the draft's keys and values for the tokens of the target's step ``step``,
         at the same slots (its hidden states are not needed)."""
-        self._replay(step.input_ids, step.positions, step.meta)
+        with attention_metadata(step.meta):
+            self.model(step.input_ids, step.positions)
 
-    @torch.inference_mode()
     def follow_plan(self, plan: StepPlan) -> None:
-        """``follow`` on a tensor-parallel worker, which has the step as rank 0 sent it: run
-        after ``ModelRunner.follow(plan)``, as rank 0 runs ``follow`` after the verify pass."""
+        """``follow`` on a tensor-parallel worker, from the step as rank 0 sent it: after
+        ``ModelRunner.follow(plan)``, as rank 0 runs ``follow`` after the verify pass."""
         longs, meta = self.runner._materialize(plan)
-        self._replay(longs["input_ids"], longs["positions"], meta)
-
-    def _replay(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> None:
-        with attention_metadata(meta):
-            self.model(input_ids, positions)
+        self.follow(PreparedBatch(plan, longs["input_ids"], longs["positions"], meta,
+                                  longs["sample_indices"], sample_seqs=[], logit_rows=[]))
 
     def release(self) -> None:
         """Drop the draft's weights and cache (``LLM.shutdown``: the runner then hands the

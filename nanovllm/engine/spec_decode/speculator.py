@@ -8,7 +8,10 @@ the last, and let ``rejection_sample`` decide. The scheduler then rolls back wha
 rejected (``Scheduler.update_from_output`` -> ``apply_verified``).
 
 What speculation does not run with is refused when the engine is built (``EngineConfig``)
-or a request is submitted (``check_params``), never silently wrong.
+or a request is submitted (``check_params``), never silently wrong. Under tensor parallelism
+(chapter 09) rank 0 alone proposes, samples and accepts; the workers run every pass that holds
+collectives with it: the verify step, and a model draft's passes (``make_proposer`` builds
+their side).
 """
 
 from __future__ import annotations
