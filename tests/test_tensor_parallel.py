@@ -65,10 +65,9 @@ def ranks_deadline(llm: LLM, seconds: float = 30.0) -> Iterator[None]:
     other forever (a pass that a worker did not follow) then fail the test with
     ``WorkerDiedError`` instead of hanging the suite (gloo gives up only after minutes). On
     any error the engine is shut down, so that the next test can start its own ranks."""
-    executor = llm.engine.runner.executor
-    timer = threading.Timer(seconds, lambda: [w.kill() for w in executor.workers])
-    if executor is not None:
-        timer.start()
+    workers = llm.engine.runner.executor.workers if llm.engine.runner.executor else []
+    timer = threading.Timer(seconds, lambda: [w.kill() for w in workers])
+    timer.start()
     try:
         yield
     except BaseException:

@@ -167,10 +167,9 @@ class Speculator:
             except BaseException as err:
                 detach_drafts(batch)  # nothing was accepted: the step's state is as scheduled
                 failed = self.runner.request_errors(batch) if isinstance(err, Exception) else []
-                executor = self.runner.executor
-                if not failed and isinstance(err, Exception) and executor is not None:
-                    executor.raise_if_a_worker_died()  # a lost worker explains it better
                 if not failed:
+                    if isinstance(err, Exception) and self.runner.executor is not None:
+                        self.runner.executor.raise_if_a_worker_died()  # explains it better
                     raise
                 self.scheduler.fail(batch, failed)
                 continue
