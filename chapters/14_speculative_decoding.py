@@ -758,10 +758,12 @@ except ValueError as err:
 #   writes (the proposals, then the verified step replayed).
 # - At large batch the step is compute-bound: rejected proposals cost real time, and
 #   speculation stops paying. At small batch, verify steps replay the decode CUDA graphs with a
-#   row per token; with async scheduling, speculative steps wait for the step before them.
-#   What speculation does not support (penalties, logprobs, tensor parallelism for the model
-#   drafts) is refused with a clear error, never silently wrong; prompt lookup runs under
-#   tensor parallelism, its workers following each verify step.
+#   row per token, and draft passes replay graphs of their own; with async scheduling,
+#   speculative steps wait for the step before them. What speculation does not support
+#   (penalties, logprobs) is refused with a clear error, never silently wrong. All three
+#   methods run under tensor parallelism (chapter 09): the workers follow each verify step and
+#   each draft pass, and a draft model is sharded like the target, with a shard of its cache on
+#   every rank.
 # - The server takes the same `speculative_config`, as JSON after `--speculative-config` or as
 #   a mapping in its YAML file, and its `/metrics` counts proposed and accepted tokens, and the
 #   accepted ones by position (`nanovllm:spec_decode_*`, vLLM's names).

@@ -250,10 +250,6 @@ class EngineConfig:
         self.speculative_config = parse_speculative_config(self.speculative_config)
         if self.speculative_config is None:
             return
-        if self.tensor_parallel_size > 1 and self.speculative_config.method != "ngram":
-            raise ValueError(f"speculative_config method {self.speculative_config.method!r} "
-                             "does not run with tensor_parallel_size > 1 yet (its draft would "
-                             "run on every rank); 'ngram' does")
 
     def _check_backend(self) -> None:
         """Refuse, now rather than at the first step, what the chosen backend cannot run: each

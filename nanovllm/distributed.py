@@ -166,12 +166,14 @@ def _forget_process_groups() -> None:
     c10d._world.group_count = 0
 
 
-def check_divisible(num_heads: int, num_kv_heads: int, intermediate_size: int, n: int) -> None:
-    """Raise ``ValueError`` unless a model's heads and MLP split evenly over ``n`` ranks."""
+def check_divisible(num_heads: int, num_kv_heads: int, intermediate_size: int, n: int,
+                    model: str = "the model") -> None:
+    """Raise ``ValueError`` unless a model's heads and MLP split evenly over ``n`` ranks
+    (``model`` names it in the message, e.g. a speculative draft, chapter 14)."""
     for what, size in (("attention heads", num_heads), ("KV heads", num_kv_heads),
                        ("MLP features (intermediate_size)", intermediate_size)):
         if size % n:
             raise ValueError(
-                f"tensor_parallel_size={n} does not divide the model's {size} {what}; choose "
+                f"tensor_parallel_size={n} does not divide {model}'s {size} {what}; choose "
                 f"a size that divides {num_heads} heads and {num_kv_heads} KV heads"
             )

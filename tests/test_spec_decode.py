@@ -9,12 +9,17 @@ cache, fails the step that did it.
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 from course_ids import ENGINE
 from test_scheduler import PROMPTS, make_tiny_llama, one_torch_thread  # noqa: F401
+from test_tensor_parallel import ranks_deadline
 
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
+from nanovllm.engine.executor import WorkerDiedError
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3}
@@ -32,7 +37,8 @@ def tiny(tmp_path_factory):
 
 def generate(path, params, prompts=PROMPTS, **options):
     llm = LLM(path, num_kv_blocks=options.pop("num_kv_blocks", 256), **options)
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    with ranks_deadline(llm):  # (tensor parallelism: a deadlock fails, not hangs)
+        outs = llm.generate(prompts, params, use_tqdm=False)
     bm = llm.engine.block_manager
     assert not llm.engine.has_unfinished_requests()
     assert bm.num_free_blocks == bm.num_blocks  # every block back, rejected slots included
@@ -128,11 +134,13 @@ def test_bad_configs_are_refused_at_construction(tiny, spec, message):
         LLM(tiny, num_kv_blocks=16, speculative_config=spec)
 
 
+@pytest.mark.parametrize("spec", [NGRAM, LAYERS], ids=["ngram", "draft_layers"])
 @pytest.mark.assignment(*SPEC, "14.ngram_propose", "09.row_shard", "09.vocab_embed")
-def test_ngram_under_tensor_parallelism_equals_one_rank(tiny, reference):
+def test_under_tensor_parallelism_equals_one_rank(tiny, reference, spec):
     """TP=2 on gloo: the workers follow each verify step (its k + 1 LM-head rows per
-    request) and the greedy tokens are those of one rank without speculation."""
-    llm, outs = generate(tiny, GREEDY, PROMPTS + [REPEAT], speculative_config=NGRAM,
+    request) and each draft pass of the target's first layer, and the greedy tokens are
+    those of one rank without speculation."""
+    llm, outs = generate(tiny, GREEDY, PROMPTS + [REPEAT], speculative_config=spec,
                          tensor_parallel_size=2)
     try:
         assert [o.token_ids for o in outs] == reference
@@ -142,9 +150,26 @@ def test_ngram_under_tensor_parallelism_equals_one_rank(tiny, reference):
         llm.shutdown()
 
 
-def test_unsupported_engine_features_are_refused(tiny):
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        LLM(tiny, num_kv_blocks=16, speculative_config=LAYERS, tensor_parallel_size=2)
+def test_a_worker_killed_mid_speculation_fails_the_call_within_seconds(tiny):
+    """Most of a step's collectives are in its draft passes: a worker lost there is the
+    engine's failure (``WorkerDiedError``), not each request's failed proposals."""
+    llm = LLM(tiny, num_kv_blocks=256, speculative_config=LAYERS, tensor_parallel_size=2)
+    worker = llm.engine.runner.executor.workers[0]
+    killed_at = []
+    threading.Timer(1.0, lambda: (killed_at.append(time.monotonic()), worker.kill())).start()
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    with pytest.raises(WorkerDiedError):
+        llm.generate([REPEAT] * 4, long, use_tqdm=False)
+    assert killed_at and time.monotonic() - killed_at[0] < 10
+    llm.shutdown()
+
+
+def test_a_draft_refused_under_tensor_parallelism_stops_the_workers(tiny):
+    # Refused once the model is known, after the workers started: they stop with it.
+    with pytest.raises(ValueError, match="fewer"):
+        LLM(tiny, num_kv_blocks=16, speculative_config={**LAYERS, "num_layers": 2},
+            tensor_parallel_size=2)
+    assert not torch.distributed.is_initialized()  # the next engine may start its ranks
 
 
 @pytest.mark.parametrize("spec", [NGRAM, LAYERS], ids=["ngram", "draft_layers"])

@@ -18,6 +18,7 @@ from course_ids import ENGINE
 from safetensors.torch import load_file, save_file
 from test_scheduler import PROMPTS, make_tiny_llama, one_torch_thread  # noqa: F401
 from test_spec_decode_sampler import ALPHA, SMALL_VOCAB, homogeneity, sample_positions
+from test_tensor_parallel import ranks_deadline
 
 from nanovllm import LLM, SamplingParams
 
@@ -51,7 +52,8 @@ def models(tmp_path_factory):
 
 def generate(path, prompts, params=GREEDY, **options):
     llm = LLM(path, num_kv_blocks=options.pop("num_kv_blocks", 128), **options)
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    with ranks_deadline(llm):  # (tensor parallelism: a deadlock fails, not hangs)
+        outs = llm.generate(prompts, params, use_tqdm=False)
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks  # every block back, rejected slots included
     return llm, outs
@@ -118,6 +120,34 @@ def test_a_draft_of_another_vocabulary_is_refused(models, tmp_path):
     with pytest.raises(ValueError, match="belongs to 'draft_model'"):
         LLM(models["self"], num_kv_blocks=16, speculative_config={
             "method": "ngram", "num_speculative_tokens": 2, "model": str(small)})
+
+
+@pytest.mark.parametrize("name", ["self", "first-layer"])
+@pytest.mark.assignment(*SPEC, "09.row_shard", "09.vocab_embed")
+def test_under_tensor_parallelism_equals_one_rank(models, reference, name):
+    """TP=2 on gloo: every rank holds a shard of the draft and of its cache; the workers
+    follow its proposal passes and its replay of each verified step."""
+    llm, outs = generate(models["self"], PROMPTS, speculative_config=draft(models[name]),
+                         tensor_parallel_size=2)
+    try:
+        assert [o.token_ids for o in outs] == reference
+        stats = llm.engine.speculator.stats
+        assert stats.num_accepted_tokens > 0
+        if name == "self":  # the draft's shards compute what the target's do
+            assert stats.acceptance_rate == 1.0
+    finally:
+        llm.shutdown()
+
+
+def test_a_draft_that_does_not_shard_is_refused(models, tmp_path):
+    # One KV head cannot be split over two ranks: refused before any worker starts.
+    folder = tmp_path / "one-kv-head"
+    folder.mkdir()
+    config = json.loads((models["other"] / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"num_key_value_heads": 1}))
+    with pytest.raises(ValueError, match="does not divide the draft model .*'s 1 KV heads"):
+        LLM(models["self"], num_kv_blocks=16, speculative_config=draft(folder),
+            tensor_parallel_size=2)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,8 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -55,6 +57,24 @@ def hf_greedy(path: str, prompts, max_new_tokens: int) -> list[list[int]]:
                                  max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens)
         outputs.append(out[0, ids.shape[1]:].tolist())
     return outputs
+
+
+@contextmanager
+def ranks_deadline(llm: LLM, seconds: float = 30.0) -> Iterator[None]:
+    """Kill ``llm``'s workers if the block runs past ``seconds``: ranks that wait for each
+    other forever (a pass that a worker did not follow) then fail the test with
+    ``WorkerDiedError`` instead of hanging the suite (gloo gives up only after minutes). On
+    any error the engine is shut down, so that the next test can start its own ranks."""
+    workers = llm.engine.runner.executor.workers if llm.engine.runner.executor else []
+    timer = threading.Timer(seconds, lambda: [w.kill() for w in workers])
+    timer.start()
+    try:
+        yield
+    except BaseException:
+        llm.shutdown()
+        raise
+    finally:
+        timer.cancel()
 
 
 def alive(pid: int) -> bool:

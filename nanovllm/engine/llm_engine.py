@@ -55,6 +55,11 @@ class LLMEngine:
             mc = self.model_config
             check_divisible(mc.num_heads, mc.num_kv_heads, mc.intermediate_size,
                             config.tensor_parallel_size)
+            spec = config.speculative_config
+            if spec is not None and spec.method == "draft_model":  # sharded too (chapter 14)
+                dc = ModelConfig.from_pretrained(spec.model)
+                check_divisible(dc.num_heads, dc.num_kv_heads, dc.intermediate_size,
+                                config.tensor_parallel_size, f"the draft model {spec.model}")
         if config.max_model_len is None:
             config.max_model_len = min(self.model_config.max_position_embeddings,
                                        MAX_DEFAULT_MODEL_LEN)
@@ -76,8 +81,13 @@ class LLMEngine:
         self._in_flight: tuple[SchedulerOutput, InFlight] | None = None  # async scheduling
         self.speculator: Speculator | None = None  # speculative decoding (chapter 14)
         if config.speculative_config is not None:
-            config.speculative_config.check_model(self.model_config.num_layers)
-            self.speculator = Speculator(config.speculative_config, self.runner, self.scheduler)
+            try:
+                config.speculative_config.check_model(self.model_config.num_layers)
+                self.speculator = Speculator(config.speculative_config, self.runner,
+                                             self.scheduler)
+            except BaseException:  # a refused draft: stop the workers the runner started
+                self.runner.shutdown()
+                raise
         self.stats = EngineStats()
         self.timeline: TimelineRecorder | None = None  # off by default: costs nothing
 

@@ -152,7 +152,8 @@ def pack_step(seqs: list[Sequence], num_new_tokens: list[int], block_size: int,
 
 @dataclass
 class StepPlan:
-    """One step's model inputs as host arrays: all that a tensor-parallel worker needs."""
+    """One step's model inputs as host arrays: all that a tensor-parallel worker needs (also
+    for a speculative draft pass: one decode token per request, chapter 14)."""
 
     # LONG_FIELDS: input_ids, positions, slot_mapping, sample_indices (the rows whose logits
     # are sampled), patch_targets and patch_sources (placeholder tokens that rank 0 fills

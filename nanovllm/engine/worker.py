@@ -1,5 +1,10 @@
 """A tensor-parallel worker: one shard of the model, following rank 0 (chapter 09).
 
+Rank 0's messages: "step" (a ``StepPlan`` to run through the forward pass and LM head),
+"draft" (one pass of a speculative draft that is a model, chapter 14: the target's first
+layers, or a draft model of which this rank holds a shard), "call" (a runner method) and
+"stop".
+
 Rank 0 starts these itself (``executor.py``). To spread ranks over several hosts, start one
 per extra GPU with torch.distributed's environment variables, e.g. on a second host::
 
@@ -54,13 +59,22 @@ def main() -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
 
     from nanovllm.engine.model_runner import ModelRunner  # (after the group: it reads tp_size)
+    from nanovllm.engine.spec_decode.draft_model import DraftModelProposer
+    from nanovllm.engine.spec_decode.speculator import make_proposer
     from nanovllm.models import ModelConfig
 
     runner = ModelRunner(config, ModelConfig.from_pretrained(config.model))
+    # A draft that is a model (chapter 14) runs on every rank: this rank's side of it.
+    spec = config.speculative_config
+    drafter = None if spec is None or spec.method == "ngram" else make_proposer(spec, runner)
     while True:
         message = receive()
         if message[0] == "step":
             runner.follow(message[1])
+            if isinstance(drafter, DraftModelProposer):  # as rank 0 after a verify pass
+                drafter.follow_plan(message[1])
+        elif message[0] == "draft":  # one pass of the draft's proposal loop
+            drafter.run_pass(message[1])
         elif message[0] == "call":
             getattr(runner, message[1])(*message[2])
         else:  # "stop": leave the groups together with rank 0, then go

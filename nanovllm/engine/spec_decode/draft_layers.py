@@ -8,6 +8,11 @@ Drafting token j writes those layers' entries at the slot of position ``P + j`` 
 overwrites them with the same values (or, past a rejection, values that later steps
 overwrite again). Each draft step is a batched one-token decode through a fraction of the
 model: cheaper than a target step by about ``num_layers / model_layers``.
+
+Under tensor parallelism (chapter 09) each draft pass holds collectives (the row-parallel
+layers' all-reduces, the LM head's gather), so every rank runs it: rank 0 sends the pass's
+inputs, a ``StepPlan`` of one decode token per request, as a "draft" message, and the workers
+run the same ``run_pass`` on their shards. Rank 0 alone samples the proposals.
 """
 
 from __future__ import annotations
@@ -15,10 +20,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from nanovllm.context import AttentionMetadata, attention_metadata
+from nanovllm import distributed
+from nanovllm.context import attention_metadata
 from nanovllm.engine.cuda_graphs import DecodeGraphs
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.spec_decode.rejection_sampler import sample_rows, target_probs
+from nanovllm.engine.step import PackedArrays, StepPlan
 from nanovllm.layers.sampler import SamplingTensors
 
 
@@ -45,10 +52,10 @@ class DraftLayersProposer:
     def _capture_graphs(self, hidden_size: int) -> None:
         """Capture the draft's one-token passes in CUDA graphs, one per batch-size bucket, when
         the target's decode steps are captured (chapter 07): at small batch a draft pass is as
-        launch-bound as a decode step. Not under tensor parallelism, whose workers replay
-        nothing of the draft's."""
+        launch-bound as a decode step. Not under tensor parallelism: every rank would have to
+        capture them together."""
         runner = self.runner
-        if runner.graphs is None or runner.executor is not None:
+        if runner.graphs is None or distributed.tp_size() > 1:
             return
         max_blocks = -(-runner.config.max_model_len // runner.block_size)
         self.graphs = DecodeGraphs(self._hidden, runner.config.max_num_seqs, max_blocks,
@@ -73,29 +80,45 @@ class DraftLayersProposer:
         ``draft_model.py``, has an LM head of its own)."""
         return self.runner.model.compute_logits(hidden)
 
-    def _draft_pass(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                    meta: AttentionMetadata) -> torch.Tensor:
-        """One token per sequence through the draft: its logits. Replayed from a CUDA graph
-        where one was captured for the batch."""
-        if self.graphs is not None and self.graphs.can_run(len(meta.seq_lens_k_host)):
+    def _pass_plan(self, seqs: list[Sequence], positions: list[int], inputs: list[int]
+                   ) -> StepPlan:
+        """One draft pass, one query token per sequence at ``positions``, as host arrays in
+        the layout of a decode step (``step.py``): what tensor-parallel workers receive."""
+        bs, n = self.runner.block_size, len(seqs)
+        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)]
+        tables = np.full((n, max(len(s.block_table) for s in seqs)), -1, np.int32)
+        for row, seq in enumerate(seqs):
+            tables[row, : len(seq.block_table)] = seq.block_table
+        longs = PackedArrays.pack(np.int64, input_ids=inputs, positions=positions,
+                                  slot_mapping=slots, sample_indices=range(n),
+                                  patch_targets=[], patch_sources=[])
+        ints = PackedArrays.pack(np.int32, cu_seqlens_q=range(n + 1),
+                                 seq_lens_k=[p + 1 for p in positions], block_tables=tables)
+        return StepPlan(longs, ints, max_seqlen_q=1, num_decodes=n)
+
+    @torch.inference_mode()
+    def run_pass(self, plan: StepPlan) -> torch.Tensor:
+        """One draft pass on this rank: its logits [num_seqs, V]. Under tensor parallelism
+        every rank runs it in lockstep (its layers all-reduce, its LM head gathers): rank 0
+        from ``propose``, each worker when rank 0's "draft" message brings the plan."""
+        longs, meta = self.runner._materialize(plan)
+        input_ids, positions = longs["input_ids"], longs["positions"]
+        if self.graphs is not None and self.graphs.can_run(plan.num_seqs):
             return self._logits(self.graphs.run(input_ids, positions, meta))
         with attention_metadata(meta):
             return self._logits(self._hidden(input_ids, positions))
 
-    def _metadata(self, seqs: list[Sequence], positions: list[int]) -> AttentionMetadata:
-        """One query token per sequence at ``positions``: a decode batch's metadata."""
-        bs, to_device = self.runner.block_size, self.runner._to_device
-        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)]
-        tables = np.full((len(seqs), max(len(s.block_table) for s in seqs)), -1, np.int32)
-        for row, seq in enumerate(seqs):
-            tables[row, : len(seq.block_table)] = seq.block_table
-        lens = [p + 1 for p in positions]
-        cu = list(range(len(seqs) + 1))
-        return AttentionMetadata(
-            slot_mapping=to_device(slots, torch.int64), cu_seqlens_q=to_device(cu, torch.int32),
-            seq_lens_k=to_device(lens, torch.int32), block_tables=to_device(tables, torch.int32),
-            max_seqlen_q=1, max_seqlen_k=max(lens), num_decodes=len(seqs),
-            cu_seqlens_q_host=cu, seq_lens_k_host=lens)
+    def _pass_on_every_rank(self, plan: StepPlan) -> torch.Tensor:
+        """``run_pass`` here (rank 0) and, under tensor parallelism, on every worker."""
+        executor = self.runner.executor
+        if executor is not None:
+            executor.send(("draft", plan))
+        try:
+            return self.run_pass(plan)
+        except Exception:
+            if executor is not None:  # a lost worker explains a failed collective best
+                executor.raise_if_a_worker_died()
+            raise
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], budgets: list[int], sampling: SamplingTensors
@@ -119,9 +142,7 @@ class DraftLayersProposer:
             picked = [seqs[r] for r in active]
             positions = [s.num_tokens - 1 + j for s in picked]  # x_last at P, draft j at P + j
             inputs = [last[rows.index(r)] if j == 0 else drafts[r][-1] for r in active]
-            logits = self._draft_pass(runner._to_device(inputs, torch.int64),
-                                      runner._to_device(positions, torch.int64),
-                                      self._metadata(picked, positions))
+            logits = self._pass_on_every_rank(self._pass_plan(picked, positions, inputs))
             dist = target_probs(logits, select_rows(sampling, active))
             tokens = sample_rows(dist, [sampling.generators[r] for r in active],
                                  runner.sampler.generator).tolist()

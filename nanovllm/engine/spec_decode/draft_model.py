@@ -23,6 +23,12 @@ two moments of each speculative step:
 
 ``follow`` recomputes the draft's proposals of the step (the price of that simplicity: about
 k + 1 draft tokens per request per step besides the k proposals; a draft is small).
+
+Under tensor parallelism (chapter 09) every rank builds the draft sharded like the target (its
+parallel layers read the process group; its heads must divide evenly, checked before the
+workers start) with its own shard of the draft's cache, and runs both moments in lockstep
+with rank 0: each proposal pass (``DraftLayersProposer.run_pass``, on a "draft" message) and
+``follow_plan`` after following the verify step.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import torch
 from nanovllm.context import attention_metadata
 from nanovllm.engine import kv_cache
 from nanovllm.engine.spec_decode.draft_layers import DraftLayersProposer
-from nanovllm.engine.step import PreparedBatch
+from nanovllm.engine.step import PreparedBatch, StepPlan
 from nanovllm.layers.attention import Attention, building_with
 from nanovllm.layers.attention_backends import select_backend
 from nanovllm.layers.quantization.fp8_checkpoint import read_checkpoint_quantization
@@ -48,8 +54,9 @@ def check_same_vocabulary(target: ModelConfig, draft: ModelConfig, target_tokeni
         raise ValueError(f"the draft model {draft_folder} has a vocabulary of "
                          f"{draft.vocab_size} tokens but the target has {target.vocab_size}; "
                          "speculative_config 'model' needs a draft with the target's tokenizer")
-    draft_tokenizer = load_tokenizer(draft_folder)
-    if target_tokenizer is None or draft_tokenizer is None:
+    # (A tensor-parallel worker passes no tokenizer: rank 0 has compared them.)
+    draft_tokenizer = None if target_tokenizer is None else load_tokenizer(draft_folder)
+    if draft_tokenizer is None:
         return  # config-only folders (random weights): the sizes are all there is to compare
     if draft_tokenizer.get_vocab() != target_tokenizer.get_vocab():
         raise ValueError(f"the draft model {draft_folder} has {draft.vocab_size} tokens like "
@@ -136,6 +143,13 @@ class DraftModelProposer(DraftLayersProposer):
         at the same slots (its hidden states are not needed)."""
         with attention_metadata(step.meta):
             self.model(step.input_ids, step.positions)
+
+    def follow_plan(self, plan: StepPlan) -> None:
+        """``follow`` on a tensor-parallel worker, from the step as rank 0 sent it: after
+        ``ModelRunner.follow(plan)``, as rank 0 runs ``follow`` after the verify pass."""
+        longs, meta = self.runner._materialize(plan)
+        self.follow(PreparedBatch(plan, longs["input_ids"], longs["positions"], meta,
+                                  longs["sample_indices"], sample_seqs=[], logit_rows=[]))
 
     def release(self) -> None:
         """Drop the draft's weights and cache (``LLM.shutdown``: the runner then hands the

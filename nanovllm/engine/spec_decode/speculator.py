@@ -8,7 +8,10 @@ the last, and let ``rejection_sample`` decide. The scheduler then rolls back wha
 rejected (``Scheduler.update_from_output`` -> ``apply_verified``).
 
 What speculation does not run with is refused when the engine is built (``EngineConfig``)
-or a request is submitted (``check_params``), never silently wrong.
+or a request is submitted (``check_params``), never silently wrong. Under tensor parallelism
+(chapter 09) rank 0 alone proposes, samples and accepts; the workers run every pass that holds
+collectives with it: the verify step, and a model draft's passes (``make_proposer`` builds
+their side).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 
 import torch
 
+from nanovllm.engine.executor import WorkerDiedError
 from nanovllm.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.spec_decode.draft_layers import DraftLayersProposer, select_rows
@@ -101,17 +105,24 @@ _UNSUPPORTED = {
 }
 
 
+def make_proposer(config: SpeculativeConfig, runner, tokenizer=None
+                  ) -> NgramProposer | DraftLayersProposer:
+    """The proposer of ``config.method``: rank 0's (``Speculator``), or a tensor-parallel
+    worker's side of a draft that is a model, which runs rank 0's draft passes on its shard
+    (``worker.py``; it has no tokenizer, rank 0 checked the draft's)."""
+    k = config.num_speculative_tokens
+    if config.method == "ngram":
+        return NgramProposer(k, config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "draft_model":
+        return DraftModelProposer(runner, config.model, k, tokenizer)
+    return DraftLayersProposer(runner, config.num_layers, k)
+
+
 class Speculator:
     def __init__(self, config: SpeculativeConfig, runner, scheduler) -> None:
         self.config, self.runner, self.scheduler = config, runner, scheduler
         k = config.num_speculative_tokens
-        if config.method == "ngram":
-            self.proposer = NgramProposer(k, config.prompt_lookup_min, config.prompt_lookup_max)
-        elif config.method == "draft_model":
-            self.proposer = DraftModelProposer(runner, config.model, k,
-                                               scheduler.stop_checker.tokenizer)
-        else:
-            self.proposer = DraftLayersProposer(runner, config.num_layers, k)
+        self.proposer = make_proposer(config, runner, scheduler.stop_checker.tokenizer)
         # A draft model keeps a cache of its own: it must see every target step (``follow``).
         self.follows_target = isinstance(self.proposer, DraftModelProposer)
         self.stats = SpecDecodeStats(k)
@@ -158,6 +169,8 @@ class Speculator:
                 detach_drafts(batch)  # nothing was accepted: the step's state is as scheduled
                 failed = self.runner.request_errors(batch) if isinstance(err, Exception) else []
                 if not failed:
+                    if isinstance(err, Exception) and self.runner.executor is not None:
+                        self.runner.executor.raise_if_a_worker_died()  # explains it better
                     raise
                 self.scheduler.fail(batch, failed)
                 continue
@@ -202,6 +215,8 @@ class Speculator:
             try:
                 drafts, _ = self._propose([seq], [budget])
                 failed += self._bad_proposals([seq], [budget], drafts)
+            except WorkerDiedError:
+                raise  # the engine's failure, not this request's
             except Exception as err:
                 failed.append((seq, err))
         return failed
@@ -228,12 +243,14 @@ class Speculator:
         if runner.executor is not None:  # tensor parallelism: the workers follow this step
             runner.executor.send(("step", step.plan))
         hidden = runner._forward(step.input_ids, step.positions, step.meta, step.plan)
+        # In the order of a worker's steps (ModelRunner.follow, then the draft's follow_plan):
+        # under tensor parallelism each call holds collectives.
+        logits = runner.model.compute_logits(hidden[runner._to_device(index, torch.int64)])
         if self.follows_target:
             self.proposer.follow(step)  # its own cache: the same tokens at the same slots
         if not seqs:
             return [None] * len(batch.seqs)
         k = max(counts)
-        logits = runner.model.compute_logits(hidden[runner._to_device(index, torch.int64)])
         expand = [r for r, n in enumerate(counts) for _ in range(n + 1)]
         probs = target_probs(logits, select_rows(sampling, expand))
         where = [(r, j) for r, n in enumerate(counts) for j in range(n + 1)]
