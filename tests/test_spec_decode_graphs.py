@@ -1,6 +1,6 @@
-"""Speculative steps through CUDA graphs (chapter 14 §5, chapter 07): a verify step replays
-the decode graphs with a row per token (``cuda_graphs.as_decode_rows``), and a draft's
-one-token passes replay graphs of their own.
+"""Speculative steps through CUDA graphs (chapter 14 §5; the graphs: chapter 07): a verify
+step replays the decode graphs with a row per token (``cuda_graphs.as_decode_rows``), and a
+draft's one-token passes replay graphs of their own.
 
 Capture and replay need a GPU (tests/gpu/spec_h200.sh compares graphs with eager there); on
 a CPU the graphs' stand-in replays the recorded decode forward pass eagerly, over the same

@@ -190,7 +190,7 @@ class LLMEngine:
 
     def _land_before_speculating(self) -> list[EngineCoreOutput]:
         """With speculation and async scheduling: land the step in flight before scheduling,
-        since the next step's proposals continue the tokens it sampled (chapter 14 §6). Only
+        since the next step's proposals continue the tokens it sampled (chapter 14 §5). Only
         steps in which no request decodes (prompts alone) are left in flight by ``_execute``."""
         if self.speculator is None or self._in_flight is None:
             return []
