@@ -21,6 +21,8 @@ from nanovllm.context import AttentionMetadata, attention_metadata
 from nanovllm.engine import kv_cache
 from nanovllm.engine.cuda_graphs import DecodeGraphs, graph_rows
 from nanovllm.engine.executor import TPExecutor
+from nanovllm.engine.model_loader import build_model
+from nanovllm.engine.prompt_logprobs import logit_chunks, prompt_logprobs
 from nanovllm.engine.sampling_metadata import SamplingInputs
 from nanovllm.engine.scheduler_output import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
@@ -34,7 +36,8 @@ from nanovllm.engine.step import (
     Unsampled,
     pack_step,
 )
-from nanovllm.layers.attention import Attention, building_with
+from nanovllm.engine.transfers import queue_to_host, to_device
+from nanovllm.layers.attention import Attention
 from nanovllm.layers.attention_backends import select_backend
 from nanovllm.layers.fused import set_fused_kernels
 from nanovllm.layers.logits_processors import process_logits
@@ -42,27 +45,8 @@ from nanovllm.layers.quantization import process_weights_after_loading
 from nanovllm.layers.quantization.fp8_checkpoint import read_checkpoint_quantization
 from nanovllm.layers.quantization.kv_cache import kv_cache_dtype
 from nanovllm.layers.sampler import Sampler, compute_logprobs
-from nanovllm.models import ModelConfig, get_model_class
+from nanovllm.models import ModelConfig
 from nanovllm.structured_output.masks import apply_grammar_masks
-from nanovllm.weights.loader import load_dummy, load_safetensors
-
-PROMPT_LOGPROB_ROWS = 512  # prompt positions scored at once: bounds the [rows, vocab] logits
-
-
-def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
-    """A copy of device tensor ``t`` in page-locked host memory, queued, not waited for."""
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return host.copy_(t, non_blocking=True)
-
-
-def to_device(values: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host values -> device tensor without making the CPU wait for the GPU: through pinned
-    memory, since from ordinary memory the driver may first wait for the GPU's queue to drain
-    (with async scheduling it holds the step being computed). PyTorch caches pinned blocks."""
-    host = torch.as_tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 class EngineShutDownError(RuntimeError):
@@ -99,8 +83,7 @@ class ModelRunner:
         at_start = kv_cache.claim_gpu_share(config, self.device)
         # kv_cache_dtype="fp8": the backend stores e4m3 and widens it on load (chapter 08)
         self.backend = select_backend(config, self.device)
-        with building_with(self.backend):  # every attention layer takes it
-            self.model = self._build_model()
+        self.model = self._build_model()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         # The GPU backends bring fused norm, RoPE and activation kernels too (chapter 11).
         set_fused_kernels(self.model, self.backend.uses_fused_kernels)
@@ -128,19 +111,10 @@ class ModelRunner:
 
     # -- setup ---------------------------------------------------------------------------
     def _build_model(self) -> torch.nn.Module:
-        cls = get_model_class(self.model_config.architecture)
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device(self.device):
-                model = cls(self.model_config)
-        finally:
-            torch.set_default_dtype(default_dtype)
-        if self.config.load_format == "dummy":
-            load_dummy(model, self.config.seed)
-        else:
-            checkpoint_format = read_checkpoint_quantization(self.config.model)
-            load_safetensors(model, self.config.model, checkpoint_format)
+        checkpoint_format = (None if self.config.load_format == "dummy"
+                             else read_checkpoint_quantization(self.config.model))
+        model = build_model(self.model_config, self.config.model, self.config, self.device,
+                            self.dtype, self.backend, checkpoint_format)
         # Only now are packed layers complete: quantize them (chapter 08).
         quantized = process_weights_after_loading(model, self.config.quantization)
         if quantized and self.device.type == "cuda":
@@ -235,9 +209,11 @@ class ModelRunner:
             if self.executor is not None:  # only now: nothing above may fail for one rank
                 self.executor.send(("step", plan))
             hidden = self._forward(step.input_ids, step.positions, step.meta, plan)
-            results = [self._prompt_logprobs(hidden, *entry) for entry in step.prompt_logprobs]
+            results = [prompt_logprobs(self.model, hidden, *entry, self._to_device)
+                       for entry in step.prompt_logprobs]
             if not step.sample_seqs:
-                return self._to_host(InFlight(None, None, step.logit_rows), [], results)
+                done = InFlight(None, None, step.logit_rows)
+                return queue_to_host(done, [], results, self.device)
             logits = self.model.compute_logits(hidden[step.sample_indices]).float()
         except Exception:
             if self.executor is not None:  # a lost worker explains it better than gloo does
@@ -257,8 +233,8 @@ class ModelRunner:
         # Kept on the device: the next step reads its placeholder tokens from here.
         self._in_flight_tokens = tokens
         self._in_flight_rows = {seq.seq_id: row for row, seq in enumerate(step.sample_seqs)}
-        return self._to_host(InFlight(tokens, None, step.logit_rows), logprobs,
-                             launched.prompt_logprobs)
+        return queue_to_host(InFlight(tokens, None, step.logit_rows), logprobs,
+                             launched.prompt_logprobs, self.device)
 
     def _forward(self, input_ids, positions, meta, plan: StepPlan) -> torch.Tensor:
         """The forward pass every rank runs alike; the final hidden states."""
@@ -275,10 +251,9 @@ class ModelRunner:
         (the logits themselves are rank 0's to sample from)."""
         longs, meta = self._materialize(plan)
         hidden = self._forward(longs["input_ids"], longs["positions"], meta, plan)
-        for first, count in plan.prompt_rows:  # the same chunks as _prompt_logprobs
-            for start in range(0, count, PROMPT_LOGPROB_ROWS):
-                stop = min(start + PROMPT_LOGPROB_ROWS, count)
-                self.model.compute_logits(hidden[first + start : first + stop])
+        for first, count in plan.prompt_rows:  # the LM-head calls of prompt_logprobs
+            for rows in logit_chunks(first, count):
+                self.model.compute_logits(hidden[rows])
         if plan.verify_rows is not None:
             self.model.compute_logits(hidden[self._to_device(plan.verify_rows, torch.int64)])
         elif plan.num_samples:
@@ -347,34 +322,6 @@ class ModelRunner:
             temps = sampling.temperatures
             source = logits / torch.where(temps > 0, temps, 1.0)[:, None]
         return tokens, list(compute_logprobs(source.log_softmax(dim=-1), tokens, k))
-
-    def _prompt_logprobs(self, hidden, seq, first_row, positions, k) -> tuple:
-        """Logprobs of the prompt tokens after ``positions`` (the rows from ``first_row``):
-        the raw distribution there, scored against the prompt's next token."""
-        rows = slice(first_row, first_row + len(positions))
-        targets = self._to_device([seq.token_ids[p + 1] for p in positions], torch.int64)
-        pieces = []
-        for start in range(0, len(positions), PROMPT_LOGPROB_ROWS):  # bounded memory
-            part = slice(start, start + PROMPT_LOGPROB_ROWS)
-            logits = self.model.compute_logits(hidden[rows][part]).float()
-            pieces.append(compute_logprobs(logits.log_softmax(dim=-1), targets[part], k))
-        return seq, positions[0], [torch.cat(column) for column in zip(*pieces)]
-
-    def _to_host(self, step: InFlight, logprobs: list, prompt: list) -> InFlight:
-        """Queue the copies of the step's results to the host, and an event after them."""
-        tensors = ([step.tokens] if step.tokens is not None else []) + logprobs
-        tensors += [t for _, _, columns in prompt for t in columns]
-        if self.device.type == "cuda":
-            tensors = [_pinned_copy(t) for t in tensors]
-            step.done = torch.cuda.Event()
-            step.done.record()
-        if step.tokens is not None:
-            step.tokens, tensors = tensors[0], tensors[1:]
-        step.logprobs, tensors = tensors[: len(logprobs)], tensors[len(logprobs) :]
-        for seq, position, _ in prompt:
-            step.prompt_logprobs.append((seq, position, tensors[:4]))
-            tensors = tensors[4:]
-        return step
 
     def request_errors(self, batch: SchedulerOutput) -> list[tuple[Sequence, Exception]]:
         """After ``launch(batch)`` raised: the sequences whose own preparation fails when

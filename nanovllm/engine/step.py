@@ -230,4 +230,4 @@ class Unsampled:
     step: PreparedBatch
     logits: torch.Tensor  # [num sampled, V] float32 on the device
     sampling: tuple  # SamplingInputs.build's (sampling tensors, logits-processing tensors)
-    prompt_logprobs: list[tuple] = field(default_factory=list)  # as ModelRunner._prompt_logprobs
+    prompt_logprobs: list[tuple] = field(default_factory=list)  # as prompt_logprobs.py's

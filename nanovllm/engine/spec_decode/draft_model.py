@@ -37,14 +37,14 @@ import torch
 
 from nanovllm.context import attention_metadata
 from nanovllm.engine import kv_cache
+from nanovllm.engine.model_loader import build_model
 from nanovllm.engine.spec_decode.draft_layers import DraftLayersProposer
 from nanovllm.engine.step import PreparedBatch, StepPlan
-from nanovllm.layers.attention import Attention, building_with
+from nanovllm.layers.attention import Attention
 from nanovllm.layers.attention_backends import select_backend
 from nanovllm.layers.quantization.fp8_checkpoint import read_checkpoint_quantization
-from nanovllm.models import ModelConfig, get_model_class
+from nanovllm.models import ModelConfig
 from nanovllm.tokenizer import load_tokenizer
-from nanovllm.weights.loader import load_dummy, load_safetensors
 
 
 def check_same_vocabulary(target: ModelConfig, draft: ModelConfig, target_tokenizer,
@@ -100,19 +100,8 @@ class DraftModelProposer(DraftLayersProposer):
         if read_checkpoint_quantization(folder) is not None:
             raise ValueError(f"the draft model {folder} is a quantized checkpoint; a draft "
                              "model must be unquantized")
-        cls = get_model_class(self.model_config.architecture)
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(self.runner.dtype)
-        try:
-            with torch.device(self.runner.device), building_with(
-                    select_backend(config, self.runner.device)):
-                model = cls(self.model_config)
-        finally:
-            torch.set_default_dtype(default_dtype)
-        if config.load_format == "dummy":
-            load_dummy(model, config.seed)
-        else:
-            load_safetensors(model, folder)
+        model = build_model(self.model_config, folder, config, self.runner.device,
+                            self.runner.dtype, select_backend(config, self.runner.device))
         return model.eval()
 
     def _check_room(self, num_blocks: int) -> None:
