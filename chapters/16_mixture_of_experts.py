@@ -252,7 +252,9 @@ print("moe_naive equals nanovllm's moe_reference on 3 random layers")
 # `mlp_only_layers` allows) and a tiny Mixtral (4 experts), saved by `transformers` with
 # `save_pretrained` in Hugging Face's per-expert layout; the router weights are drawn larger
 # than `transformers`' initialization so no token sits on a near-tie between two experts.
-# The logits must agree, and the engine's greedy tokens must be `transformers'`.
+# The logits must agree, and the engine's greedy tokens must be `transformers'`. Each engine
+# lives in a `with` block, which shuts it down at the block's end (chapter 00): on a GPU an
+# engine takes 90% of the memory by default, so the next one could not be built beside it.
 
 # %%
 def tiny_moe(arch: str, path: Path, seed: int = 0):
@@ -293,8 +295,9 @@ for arch, (hf, path) in tiny.items():
     ids = torch.tensor(prompts[2])
     with torch.no_grad(), attention_metadata(None):
         gap = (ours.compute_logits(ours(ids, torch.arange(len(ids)))) - hf(ids[None]).logits[0])
-    llm = LLM(path, block_size=16)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
+    with LLM(path, block_size=16) as llm:  # shut down at the end: the next engine needs the GPU
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10),
+                            use_tqdm=False)
     expected = [hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False,
                             attention_mask=torch.ones(1, len(p), dtype=torch.long))[0, len(p):]
                 .tolist() for p in prompts]
@@ -336,10 +339,10 @@ for t in (1, 16, 64, 256):
 # %%
 # NBVAL_CHECK_OUTPUT
 hf_qwen, path_qwen = tiny["Qwen3MoeForCausalLM"]
-llm = LLM(path_qwen, block_size=16)
 gen = torch.Generator().manual_seed(3)
 load_prompts = [torch.randint(0, 256, (64,), generator=gen).tolist() for _ in range(16)]
-load = moe_bench.expert_load(llm, load_prompts)
+with LLM(path_qwen, block_size=16) as llm:
+    load = moe_bench.expert_load(llm, load_prompts)
 summary = moe_bench.load_summary(load)
 print(f"assignments per MoE layer: {[sum(c) for c in load]} (16 prompts x 64 tokens x k=2)")
 print("busiest expert / mean, per layer:",
