@@ -3,13 +3,14 @@ and vs the number of proposals k, for the n-gram, self-speculative (draft_layers
 draft-model methods; and, when SmolLM2's converted weights are present, its acceptance by
 position on real text.
 
-Random weights (``--model qwen3-0.6b``: the shipped config, ``load_format="dummy"``) make
-every request repeat one token, so the methods are accepted almost always: what this measures
-is the *cost* side (a verify step of k+1 tokens, k draft passes) at acceptance ~1, the best
-case. The step times recorded per run let the chapter price any acceptance rate; real text's
-rates come from SmolLM2. The draft model is the target's config cut to ``--draft-layers``
-layers (its own random weights). Every method runs with CUDA graphs on a GPU (verify steps
-replay the decode graphs, a row per token); the baseline and two speculative rows also run
+Random weights (``--model qwen3-0.6b``: the shipped config, ``load_format="dummy"``) decide
+what is accepted: prompt lookup finds the repeats a random model's greedy output falls into,
+while a random draft agrees with the random target almost never, so the model drafts' rows
+show what their passes cost at acceptance ~0. Each run records its acceptance and steps, so
+the chapter can price other acceptance rates; real text's rates come from SmolLM2. The
+draft model is the target's config cut to ``--draft-layers`` layers (its own random
+weights). Every method runs with CUDA graphs on a GPU (verify steps replay the decode graphs,
+a row per token; draft passes their own); the baseline and two speculative rows also run
 eagerly, to show what the graphs are worth.
 
     python -m nanovllm.benchmarks.spec_decode --out spec.json            # GPU: Qwen3-0.6B shape
