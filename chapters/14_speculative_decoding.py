@@ -586,10 +586,13 @@ except ValueError as err:
 # called this *batch expansion*). Every layer writes all the step's keys and values before any
 # row attends, so the row of proposal $j$ sees the proposals before it, as the packed causal
 # pass does. With speculation on, the engine captures graphs up to `max_num_seqs` × $(k+1)$
-# rows (at most 512); larger steps run eagerly, as prompt chunks do.
+# rows, up to `cuda_graphs.MAX_VERIFY_ROWS` (printed below); larger steps run eagerly, as prompt
+# chunks do. A draft's one-token passes (`draft_layers`, a draft model) are decode steps of the
+# draft's own network, and replay CUDA graphs of their own.
 
 # %%
-from nanovllm.engine.cuda_graphs import as_decode_rows  # noqa: E402
+# NBVAL_CHECK_OUTPUT
+from nanovllm.engine.cuda_graphs import MAX_VERIFY_ROWS, as_decode_rows  # noqa: E402
 from nanovllm.engine.scheduler_output import SchedulerOutput  # noqa: E402
 
 demo = LLM(str(tiny), num_kv_blocks=32)
@@ -597,13 +600,14 @@ seqs = [demo.engine.make_sequence(p, greedy16) for p in ([5, 6, 7], [9] * 6)]
 for seq in seqs:  # a decode at position 2, and a verify step over positions 2..5
     demo.engine.block_manager.allocate(seq, seq.num_tokens)
     seq.num_computed_tokens = 2
-packed = demo.engine.runner.prepare(SchedulerOutput(seqs, [1, 4])).meta
-rows = as_decode_rows(packed, torch.tensor([2, 2, 3, 4, 5]))
+step = demo.engine.runner.prepare(SchedulerOutput(seqs, [1, 4]))
+packed, rows = step.meta, as_decode_rows(step.meta, step.positions)
 print("packed: query rows per request", [b - a for a, b in zip(packed.cu_seqlens_q_host,
                                                                  packed.cu_seqlens_q_host[1:])],
       "keys", packed.seq_lens_k_host)
 print("as decode rows: keys per row", rows.seq_lens_k_host,
       "block tables", rows.block_tables[:, 0].tolist())
+print("verify steps replay CUDA graphs up to", MAX_VERIFY_ROWS, "rows")
 
 # %% [markdown]
 # `tests/test_spec_decode_graphs.py` checks that the expanded rows give the packed pass's

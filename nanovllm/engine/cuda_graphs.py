@@ -21,7 +21,7 @@ from nanovllm.context import AttentionMetadata, attention_metadata
 
 # Verify steps are replayed up to this many rows (tokens): speculation pays at small batches,
 # where a step is launch-bound; a larger step runs eagerly, as prompt chunks do.
-MAX_VERIFY_ROWS = 512
+MAX_VERIFY_ROWS = 1024
 
 
 def graph_rows(config: EngineConfig) -> int:
