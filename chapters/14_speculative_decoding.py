@@ -216,6 +216,7 @@ figure(fig, "14_speculative_decoding_tokens_per_step",
 # target's first layer as the draft, as the package's `draft_layers` method does.
 
 # %%
+# NBVAL_CHECK_OUTPUT
 hf_tiny = transformers.LlamaForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
 
 
@@ -290,6 +291,7 @@ show_source(scheduling.reserve_draft_slots, scheduling.apply_verified)
 
 
 # %%
+# NBVAL_CHECK_OUTPUT
 def one_position(p: torch.Tensor, q: torch.Tensor, gen: torch.Generator) -> tuple[int, bool]:
     d = torch.multinomial(q, 1, generator=gen).item()
     if torch.rand(1, generator=gen).item() < p[d] / q[d]:
@@ -531,6 +533,7 @@ show_source(draft_model.DraftModelProposer.follow)
 # unrelated random model. The output must not change; only the acceptance may.
 
 # %%
+# NBVAL_CHECK_OUTPUT
 from safetensors.torch import load_file  # noqa: E402
 
 first_layer = work / "tiny-first-layer"
@@ -630,7 +633,9 @@ print("verify steps replay CUDA graphs up to", MAX_VERIFY_ROWS, "rows")
 # agrees with the random target almost never. So the record prices two cases: prompt lookup
 # where proposals are often accepted, and the model drafts where their passes are pure cost
 # (their worst case). Each run's acceptance is printed below beside its speedup; what real
-# text accepts comes from SmolLM2 (section 4).
+# text accepts comes from SmolLM2 (section 4). Read the ratios as rough: the committed record
+# times each point once over 64 tokens per request, and an earlier run the same day differed
+# widely (the record's note, printed below); the benchmark now keeps the fastest of three.
 #
 # Figure 14.5 shows the speedup by batch size and k.
 
@@ -654,6 +659,8 @@ for r in runs:
     if r["method"].startswith("none"):
         best_base[r["batch"]] = max(best_base.get(r["batch"], 0.0), r["tokens_per_s"])
 print(source)
+if "variance_note" in bench:
+    print("note:", bench["variance_note"])
 # What the graphs are worth to verify steps: the eager runs of the record, beside their twins.
 graphed = {(r["method"], r["k"], r["batch"]): r["tokens_per_s"] for r in runs}
 for r in runs:
@@ -709,6 +716,7 @@ figure(fig, "14_speculative_decoding_speedup_vs_batch",
 # $\frac{1-\alpha^{k+1}}{(1-\alpha)(1+ck)}$ for $\alpha = 0.8$, $c = 0.1$? Write `best_k`.
 
 # %%
+# NBVAL_CHECK_OUTPUT
 def best_k(alpha: float, cost: float, k_max: int = 16) -> int:
     return max(range(k_max + 1), key=lambda k: speedup(alpha, k, cost))
 
@@ -723,6 +731,7 @@ print("Exercise 1: best k for α = 0.8, c = 0.1 is", best_k(0.8, 0.1))
 # `rejection_sample` on random distributions.
 
 # %%
+# NBVAL_CHECK_OUTPUT
 gen = torch.Generator().manual_seed(1)
 p2 = (torch.randn(50, generator=gen) * 2).softmax(-1)
 q2 = (torch.randn(50, generator=gen) * 2).softmax(-1)
@@ -741,6 +750,7 @@ print(f"Exercise 2: accepted {measured:.3f}, 1 - TV(p, q) = {predicted:.3f}")
 # depends on the tokens generated so far would have to be applied per proposal position.
 
 # %%
+# NBVAL_CHECK_OUTPUT
 try:
     llm.generate([[1, 2, 3]], SamplingParams(repetition_penalty=1.2), use_tqdm=False)
 except ValueError as err:

@@ -343,8 +343,12 @@ gen = torch.Generator().manual_seed(3)
 load_prompts = [torch.randint(0, 256, (64,), generator=gen).tolist() for _ in range(16)]
 with LLM(path_qwen, block_size=16) as llm:
     load = moe_bench.expert_load(llm, load_prompts)
-summary = moe_bench.load_summary(load)
 print(f"assignments per MoE layer: {[sum(c) for c in load]} (16 prompts x 64 tokens x k=2)")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+# (Which expert wins a near-tie depends on the dtype: a GPU routes in bf16, this CPU in fp32.)
+summary = moe_bench.load_summary(load)
 print("busiest expert / mean, per layer:",
       [round(r, 2) for r in summary["max_over_mean_per_layer"]])
 

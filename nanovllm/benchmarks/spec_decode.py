@@ -58,23 +58,27 @@ def prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int
     return [[rng.randrange(2, vocab) for _ in range(length)] for _ in range(batch)]
 
 
-def timed_generate(llm: LLM, batch: list[list[int]], max_tokens: int) -> dict:
+def timed_generate(llm: LLM, batch: list[list[int]], max_tokens: int, repeats: int) -> dict:
+    """Generate ``batch`` ``repeats`` times after a warm-up; the fastest run's numbers (greedy:
+    every run makes the same tokens and proposals) and every run's seconds."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(batch[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                  use_tqdm=False)  # warm-up: kernels compiled, graphs captured
     spec = llm.engine.speculator
-    before = (spec.stats.num_draft_tokens, spec.stats.num_accepted_tokens) if spec else (0, 0)
-    steps_before = llm.engine.stats.num_steps
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    outs = llm.generate(batch, params, use_tqdm=False)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    tokens = sum(len(o.token_ids) for o in outs)
-    result = {"batch": len(batch), "seconds": seconds, "output_tokens": tokens,
-              "tokens_per_s": tokens / seconds,
+    times = []
+    for _ in range(repeats):
+        before = (spec.stats.num_draft_tokens, spec.stats.num_accepted_tokens) if spec else (0, 0)
+        steps_before = llm.engine.stats.num_steps
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        outs = llm.generate(batch, params, use_tqdm=False)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    seconds, tokens = min(times), sum(len(o.token_ids) for o in outs)
+    result = {"batch": len(batch), "seconds": seconds, "seconds_per_run": times,
+              "output_tokens": tokens, "tokens_per_s": tokens / seconds,
               "steps": llm.engine.stats.num_steps - steps_before}
     if spec:
         drafted = spec.stats.num_draft_tokens - before[0]
@@ -110,7 +114,8 @@ def sweep(path: str, load_format: str, args, engine_options: dict, vocab: int) -
         llm = LLM(path, load_format=load_format, **engine_options, **options)
         for batch in args.batch_sizes:
             work = prompts(batch, args.prompt_len, vocab)
-            row = {"method": method, "k": k, **timed_generate(llm, work, args.max_tokens)}
+            row = {"method": method, "k": k,
+                   **timed_generate(llm, work, args.max_tokens, args.repeats)}
             print(json.dumps(row), flush=True)
             runs.append(row)
         llm.shutdown()
@@ -159,6 +164,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="layers of the self-speculative draft (default: a quarter)")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3, help="runs per point; the fastest counts")
     parser.add_argument("--smollm2", action="store_true", help="also SmolLM2's acceptance")
     parser.add_argument("--smol-layers", type=int, nargs="+", default=[10, 20, 26, 28])
     parser.add_argument("--smol-prompts", type=int, default=4)
@@ -181,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
                "model": args.model or ("tiny" if args.tiny else "qwen3-0.6b"),
                "load_format": load_format, "num_layers": layers,
                "draft_layers": args.draft_layers, "prompt_len": args.prompt_len,
-               "max_tokens": args.max_tokens,
+               "max_tokens": args.max_tokens, "repeats": args.repeats,
                "runs": sweep(path, load_format, args, engine_options, config["vocab_size"])}
     if args.smollm2:
         results["smollm2"] = smollm2_acceptance(args)
