@@ -145,7 +145,7 @@ class DraftLayersProposer:
             logits = self._pass_on_every_rank(self._pass_plan(picked, positions, inputs))
             dist = target_probs(logits, select_rows(sampling, active))
             tokens = sample_rows(dist, [sampling.generators[r] for r in active],
-                                 runner.sampler.generator).tolist()
+                                 runner.sampler.generator, sampling.all_greedy).tolist()
             if probs is not None:
                 probs[torch.as_tensor(active, device=probs.device), j] = dist
             for r, token in zip(active, tokens):

@@ -93,10 +93,13 @@ def target_probs(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
 
 
 def sample_rows(probs: torch.Tensor, generators: list[torch.Generator | None],
-                shared: torch.Generator) -> torch.Tensor:
+                shared: torch.Generator, all_greedy: bool = False) -> torch.Tensor:
     """One token per row of ``probs`` [B, V] by the exponential race (chapter 01 §2.3); a
     row with its own generator (a seeded request) draws its noise from it alone. A one-hot
-    row returns its token whatever the noise."""
+    row returns its token whatever the noise, so when every row is one (``all_greedy``) no
+    noise is drawn: [B, V] random numbers are the costliest part of a greedy step here."""
+    if all_greedy:
+        return probs.argmax(dim=-1)
     noise = torch.empty_like(probs).exponential_(generator=shared)
     for row, generator in enumerate(generators):
         if generator is not None:

@@ -270,7 +270,8 @@ class Speculator:
         uniforms = uniform_rows(counts, sampling.generators, shared, dev)
         accepted, next_probs = rejection_sample(padded, draft_ids.to(dev),
                                                 torch.as_tensor(counts, device=dev), q, uniforms)
-        chosen = sample_rows(next_probs, sampling.generators, shared).tolist()
+        chosen = sample_rows(next_probs, sampling.generators, shared,
+                             sampling.all_greedy).tolist()
         accepted = accepted.tolist()
         if any(counts):
             proposed, kept = [n for n in counts if n], [a for n, a in zip(counts, accepted) if n]
