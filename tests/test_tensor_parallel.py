@@ -60,7 +60,7 @@ def hf_greedy(path: str, prompts, max_new_tokens: int) -> list[list[int]]:
 
 
 @contextmanager
-def ranks_deadline(llm: LLM, seconds: float = 30.0) -> Iterator[None]:
+def ranks_deadline(llm: LLM, seconds: float = 120.0) -> Iterator[None]:
     """Kill ``llm``'s workers if the block runs past ``seconds``: ranks that wait for each
     other forever (a pass that a worker did not follow) then fail the test with
     ``WorkerDiedError`` instead of hanging the suite (gloo gives up only after minutes). On
