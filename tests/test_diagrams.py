@@ -131,7 +131,7 @@ def test_split_kv_drawn_is_the_kernels_choice() -> None:
     from nanovllm.kernels.split_kv import choose_num_splits
 
     ex = kernel_diagrams.split_kv_example(16, 2048)
-    assert ex["num_splits"] == choose_num_splits(16, 8, 2048, kernel_diagrams.H200_SMS) == 5
+    assert ex["num_splits"] == choose_num_splits(16, 8, 2048, kernel_diagrams.h200_sms()) == 5
     # the splits cover the keys end to end, each a whole number of key tiles but the last
     assert ex["ranges"][0][0] == 0 and ex["ranges"][-1][1] == 2048
     assert all(a[1] == b[0] for a, b in zip(ex["ranges"], ex["ranges"][1:]))
