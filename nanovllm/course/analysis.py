@@ -157,7 +157,7 @@ def grade_analysis(sandbox, tree: Path, student: Path, chapters: list[str], time
         answers = read_answers(Path(student) / FOLDER / f"{chapter}.json")
         measured: dict[str, dict] = {}
         if isinstance(answers, dict) and answers and questions(chapter):
-            out = sandbox.private / f"analysis{chapter}.json"
+            out = sandbox.outbox / f"analysis{chapter}.json"
             out.unlink(missing_ok=True)
             run = sandbox.run_module(tree, "nanovllm.course.analysis",
                                      [chapter, "--sandboxed", str(out), "--root", str(tree)],

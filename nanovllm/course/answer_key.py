@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 from nanovllm.course.exercises import BEGIN, END, solution_files
-from nanovllm.course.regions import find_regions, region_body
+from nanovllm.course.regions import find_regions, region_body, splice_text
 
 MIN_CHARS = 25  # shorter lines (`return out`, `self.level = level`) are not a giveaway
 # A solution marker as a line of code (in a .py, or in a notebook's JSON), not a mention of it.
@@ -31,9 +31,8 @@ def public_text(repo: Path) -> str:
     texts = []
     for path in (repo / "nanovllm").rglob("*.py"):
         text = path.read_text()
-        if "# >>> assignment" in text:
-            for region in find_regions(path):
-                text = text.replace(region_body(text, region), "")
+        if "# >>> assignment" in text:  # every region of the file cut at once: the line
+            text = splice_text(text, {r: "" for r in find_regions(path)})  # numbers hold
         texts.append(text)
     for path in [*(repo / "tests").rglob("*.py"), *(repo / "chapters").glob("[0-9][0-9]_*.py")]:
         texts.append(path.read_text())

@@ -4,17 +4,28 @@
 A submission is the code between the student's assignment markers and nothing else
 (:mod:`nanovllm.course.submission`): each region's body is read from the student's files,
 checked (:mod:`nanovllm.course.static_check`) and spliced into a clean copy of the instructor's
-package; the instructor's tests are copied in after the splice. First a run on the all-stub
-tree, with no student code in it, counts the graded tests (the trusted count); then one pytest
-process per chapter runs on a fresh copy of the spliced tree in the sandbox
-(:mod:`nanovllm.course.sandbox`), and its report is checked against that count (a test missing
-from the report is a failure; too few or unknown tests, or times that add up to more than the
-run took, are flagged). Partial credit: points x passed / tests marked with the assignment. A
-region that is missing, malformed or flagged scores 0, the reason beside it; a chapter whose
-process crashes or runs past ``--timeout`` scores 0, and grading goes on. Without ``--student``
-the repository grades its own regions (it must score full marks). The analysis questions
-(:mod:`nanovllm.course.analysis`) are measured again in the sandbox on the spliced tree and
-scored beside the points, not inside them.
+package; the instructor's tests are copied in after the splice.
+
+**Each assignment is graded by its own tests**: the tests marked with its id alone
+(``@pytest.mark.assignment("04.free")``), aimed at its function and reaching no other region.
+They run in a tree where that region is the student's and *every other region is its stub*, so
+one unfinished assignment never costs another its points, and no other region's reference is
+there to be read. First a run on the all-stub tree, with no student code in it, counts the graded
+tests (the trusted count; without a GPU, tests marked ``gpu`` are left out of it, so they leave
+the denominator); then one pytest process per assignment runs its own tests on a fresh tree in
+the sandbox (:mod:`nanovllm.course.sandbox`), and its report is checked against the count (a
+test missing from the report is a failure, a skipped one is no pass; too few or unknown tests,
+or times that add up to more than the run took, are flagged). Points: points x passed / own
+tests. A region that is missing, malformed or flagged scores 0, the reason beside it; a run that
+crashes or passes ``--timeout`` scores its assignment 0 (the report names the test that was
+running), and grading goes on.
+
+With ``--engine``, the whole-engine tests that reach a chapter (marked with several ids) also
+run, once per chapter, on a tree where that chapter's regions are the student's and every other
+region is the reference; they are reported beside the points, not in them. Without
+``--student`` the repository grades its own regions (it must score full marks). The analysis
+questions (:mod:`nanovllm.course.analysis`) are measured again in the sandbox on the spliced
+tree and scored beside the points, not inside them.
 """
 
 from __future__ import annotations
@@ -56,18 +67,36 @@ def relative_tests(repo: Path, tests: list[str] | None) -> list[str]:
     return out
 
 
+def graded_marks() -> str:
+    """The tests a grade counts on this machine: without a GPU, none marked ``gpu``."""
+    import torch
+
+    return "assignment" if torch.cuda.is_available() else "assignment and not gpu"
+
+
 def trusted_count(sandbox: Sandbox, repo: Path, regions, tests, timeout, workdir) -> dict:
     """{node id: assignment ids} of the graded tests, collected on the all-stub tree."""
     stubs = {r.id: Submitted(r, "stub") for r in regions}
     tree = prepare_tree(repo, workdir / "collect", stubs)
-    report = sandbox.run(tree, tests, timeout, extra=("--collect-only",))
+    report = sandbox.run(tree, tests, timeout, extra=("--collect-only",), marks=graded_marks())
+    shutil.rmtree(tree, ignore_errors=True)
     if report["status"] != "ok":
         raise RuntimeError(f"collecting the graded tests failed: {report}")
     return {t["nodeid"]: t["assignments"] for t in report["tests"]}
 
 
+def own_tests(expected: dict[str, list[str]], assignment: str) -> list[str]:
+    """The node ids that grade ``assignment`` alone: marked with its id and no other."""
+    return [n for n, ids in expected.items() if ids == [assignment]]
+
+
+def engine_tests(expected: dict[str, list[str]], chapter: str) -> list[str]:
+    """The node ids marked with several ids, one of them ``chapter``'s (whole-engine tests)."""
+    return [n for n, ids in expected.items() if len(ids) > 1 and any(a[:2] == chapter for a in ids)]
+
+
 def anomalies(report: dict, expected: set[str]) -> list[str]:
-    """What makes a chapter's report suspect, beside its score."""
+    """What makes a run's report suspect, beside its score."""
     if report["status"] != "ok":
         return []
     found, reported = [], {t["nodeid"] for t in report["tests"]}
@@ -83,39 +112,60 @@ def anomalies(report: dict, expected: set[str]) -> list[str]:
     return found
 
 
-def score(regions: list[Region], submitted, expected: dict, reports: dict) -> list[dict]:
-    rows = []
-    for r in regions:
-        report, sub = reports[r.chapter], submitted[r.id]
-        outcomes = {t["nodeid"]: t for t in report["tests"]}
-        mine = [n for n, ids in expected.items() if r.id in ids]
-        tests = [outcomes.get(n, {"nodeid": n, "outcome": "not reported"}) for n in mine]
-        passed = sum(t["outcome"] == "passed" for t in tests) if report["status"] == "ok" else 0
-        earned = r.points * passed / len(mine) if mine and sub.accepted else 0.0
-        failure = next((t for t in tests if t["outcome"] != "passed"), None)
-        rows.append(
-            {
-                "assignment": r.id,
-                "passed": passed,
-                "total": len(mine),
-                "points": r.points,
-                "earned": round(earned, 2),
-                "submission": sub.status,
-                "reasons": sub.reasons + report.get("anomalies", []),
-                "status": report["status"],
-                "first_failure": failure
-                and f"{failure['nodeid']}: {failure.get('exception') or failure['outcome']}",
-            }
-        )
-    return rows
+def _outcomes(report: dict, nodeids: list[str]) -> list[dict]:
+    found = {t["nodeid"]: t for t in report["tests"]} if report["status"] == "ok" else {}
+    return [found.get(n, {"nodeid": n, "outcome": "not reported"}) for n in nodeids]
+
+
+def failure_line(test: dict) -> str:
+    """A failing test in one line: its name and the first line of what it raised."""
+    message = (test.get("exception") or test["outcome"]).strip().splitlines()
+    return f"{test['nodeid']}: {message[0][:200] if message else test['outcome']}"
+
+
+def score(region: Region, sub: Submitted, nodeids: list[str], report: dict) -> dict:
+    """One assignment's row: its own tests' outcomes in ``report`` make its points."""
+    tests = _outcomes(report, nodeids)
+    passed = sum(t["outcome"] == "passed" for t in tests)
+    earned = region.points * passed / len(nodeids) if nodeids and sub.accepted else 0.0
+    failure = next((t for t in tests if t["outcome"] != "passed"), None)
+    reasons = sub.reasons + report.get("anomalies", [])
+    if not nodeids:
+        reasons = [*reasons, "no own tests of this assignment were collected"]
+    return {
+        "assignment": region.id,
+        "passed": passed,
+        "total": len(nodeids),
+        "points": region.points,
+        "earned": round(earned, 2),
+        "submission": sub.status,
+        "reasons": reasons,
+        "status": report["status"],
+        "wall_s": round(report.get("wall_s", 0.0), 1),
+        "first_failure": failure and (
+            failure_line(failure) if report["status"] == "ok" else report["status"]
+        ),
+    }
+
+
+def _run(sandbox, repo, workdir, name, bodies, nodeids, timeout, chapter) -> dict:
+    """``nodeids`` on a fresh tree with ``bodies`` spliced in; the report with its anomalies."""
+    if not nodeids:
+        return {"status": "ok", "tests": [], "wall_s": 0.0, "anomalies": []}
+    tree = prepare_tree(repo, workdir / name, bodies)
+    report = sandbox.run(tree, nodeids, timeout, chapter)
+    report["anomalies"] = anomalies(report, set(nodeids))
+    shutil.rmtree(tree, ignore_errors=True)
+    return report
 
 
 def grade(
     student: Path | None,
     repo: Path,
     tests: list[str] | None = None,
-    timeout: float = 1200,
+    timeout: float = 600,
     chapters: list[str] | None = None,
+    engine: bool = False,
 ) -> dict:
     """Grade ``student``'s regions (``repo``'s own when None) with ``repo``'s tests."""
     repo = Path(repo).resolve()
@@ -125,41 +175,61 @@ def grade(
     wanted = sorted({r.chapter for r in regions})
     if chapters:
         wanted = [c for c in wanted if c in {f"{int(x):02d}" for x in chapters}]
-    graded = [r for r in regions if r.chapter in wanted]
+    graded = sorted((r for r in regions if r.chapter in wanted), key=lambda r: r.chapter)
     submitted = read_submission(student, repo, regions)
-    reports = {}
+    stubs = {r.id: Submitted(r, "stub") for r in regions}
+    rows, engine_reports = [], {}
     with tempfile.TemporaryDirectory(prefix="nanovllm-grade-") as tmp:
         workdir = Path(tmp)
         sandbox = Sandbox(workdir / "private", repo)
         expected = trusted_count(sandbox, repo, regions, tests, timeout, workdir)
-        spliced = prepare_tree(repo, workdir / "spliced", submitted)
-        for chapter in wanted:
-            tree = workdir / f"run{chapter}"
-            shutil.copytree(spliced, tree)
-            report = sandbox.run(tree, tests, timeout, chapter)
-            mine = {n for n, ids in expected.items() if any(a[:2] == chapter for a in ids)}
-            report["anomalies"] = anomalies(report, mine)
-            reports[chapter] = report
-            shutil.rmtree(tree, ignore_errors=True)
-        # The analysis questions: measured again here, on a fresh copy of the spliced tree.
-        shutil.copytree(spliced, workdir / "analysis")
+        for region in graded:
+            mine = own_tests(expected, region.id)
+            bodies = {**stubs, region.id: submitted[region.id]}
+            report = _run(sandbox, repo, workdir, "run", bodies, mine, timeout, region.chapter)
+            rows.append(score(region, submitted[region.id], mine, report))
+        if engine:
+            reference = read_submission(repo, repo, regions)
+            for chapter in wanted:
+                bodies = {i: submitted[i] if i[:2] == chapter else reference[i] for i in reference}
+                nodeids = engine_tests(expected, chapter)
+                engine_reports[chapter] = _run(
+                    sandbox, repo, workdir, "engine", bodies, nodeids, timeout, chapter
+                )
+            for row in rows:
+                report = engine_reports[row["assignment"][:2]]
+                nodeids = [n for n in engine_tests(expected, row["assignment"][:2])
+                           if row["assignment"] in expected[n]]  # fmt: skip
+                outcomes = _outcomes(report, nodeids)
+                row["engine"] = {
+                    "passed": sum(t["outcome"] == "passed" for t in outcomes),
+                    "total": len(nodeids),
+                    "status": report["status"],
+                    "first_failure": next(
+                        (failure_line(t) for t in outcomes if t["outcome"] != "passed"), None
+                    ),
+                }
+        # The analysis questions: measured on the student's regions (the instructor's rest).
+        spliced = prepare_tree(repo, workdir / "analysis", submitted)
         answers = analysis.grade_analysis(
-            sandbox, workdir / "analysis", student, wanted, min(timeout, ANALYSIS_TIMEOUT)
+            sandbox, spliced, student, wanted, min(timeout, ANALYSIS_TIMEOUT)
         )
-    rows = score(graded, submitted, expected, reports)
+        isolation = sandbox.isolation
     return {
         "student": str(student),
+        "isolation": isolation,
         "assignments": rows,
         "total": round(sum(r["earned"] for r in rows), 2),
         "max": sum(r["points"] for r in rows),
         "analysis": answers,
-        "chapters": reports,
+        "engine": engine_reports,
     }
 
 
 def table(result: dict) -> str:
     """The grade as text: one line per assignment, its first failure or reasons under it."""
-    lines = [f"{'assignment':24s} {'tests':>9s} {'points':>13s}  submission / run"]
+    lines = [f"isolation: {result['isolation']}"]
+    lines.append(f"{'assignment':24s} {'own tests':>9s} {'points':>13s}  submission / run")
     for r in result["assignments"]:
         lines.append(
             f"{r['assignment']:24s} {r['passed']:>4d}/{r['total']:<4d} "
@@ -168,7 +238,13 @@ def table(result: dict) -> str:
         for reason in r["reasons"]:
             lines.append(f"    FLAGGED: {reason}")
         if r["first_failure"] and r["earned"] < r["points"]:
-            lines.append(f"    first failure: {r['first_failure'].splitlines()[0][:200]}")
+            lines.append(f"    first failure: {r['first_failure']}")
+        if "engine" in r:
+            e = r["engine"]
+            lines.append(f"    engine tests (the rest from the reference, not scored): "
+                         f"{e['passed']}/{e['total']}"
+                         + (f"; first failure: {e['first_failure']}" if e["first_failure"]
+                            else ""))  # fmt: skip
     lines.append(f"TOTAL: {result['total']:g} / {result['max']} points")
     if "analysis" in result:
         lines.append(analysis.table(result["analysis"]))
@@ -180,11 +256,13 @@ def main(argv=None) -> None:
     parser.add_argument("--repo", type=Path, required=True, help="the instructor's repository")
     parser.add_argument("--student", type=Path, help="the student's folder (default: --repo)")
     parser.add_argument("--json", type=Path, help="write the result there")
-    parser.add_argument("--timeout", type=float, default=1200, help="seconds per chapter process")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per pytest run")
     parser.add_argument("--chapters", nargs="*", help="grade only these chapters")
     parser.add_argument("--tests", nargs="*", help="test paths / node ids (default: tests)")
+    parser.add_argument("--engine", action="store_true",
+                        help="also run the whole-engine tests of each chapter (not scored)")
     args = parser.parse_args(argv)
-    result = grade(args.student, args.repo, args.tests, args.timeout, args.chapters)
+    result = grade(args.student, args.repo, args.tests, args.timeout, args.chapters, args.engine)
     print(table(result))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ grader flag impossible times.
 Configured by environment variables:
 
 * ``NANOVLLM_COURSE_REPORT``: where to write the JSON report (required to write one);
+* ``NANOVLLM_COURSE_PROGRESS``: where to write the node id of the test now running;
 * ``NANOVLLM_COURSE_CHAPTER``: keep only tests marked with an assignment of this chapter;
 * ``NANOVLLM_COURSE_STUDENT``: the student's root; the session stops at once unless
   ``import nanovllm`` resolves below it.
@@ -66,6 +67,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 "exception": None,
                 "stubs": [],
             }
+
+
+def pytest_runtest_logstart(nodeid: str, location) -> None:
+    """The test now running, for the grader to name after a timeout."""
+    path = os.environ.get("NANOVLLM_COURSE_PROGRESS")
+    if path:
+        Path(path).write_text(nodeid)
 
 
 def _chain(error: BaseException) -> list[BaseException]:
