@@ -92,6 +92,16 @@ INSIDE = {
     "patch a module the tests use": ("time.monotonic = lambda: 0.0", "module-level `time`"),
     "reach builtins by name": ('f = getattr(__builtins__, "op" + "en")', "`getattr`"),
     "reach a function's globals": ("g = self.clock.__globals__", "`__globals__`"),
+    # Built from strings, where a check of names sees nothing (issue 42): a function's
+    # globals, builtins by a built name, the path from numpy's file to the checkout.
+    "a function's globals by attrgetter": (
+        'g = operator.attrgetter("__globals__")(self._refill)', "`attrgetter`"
+    ),
+    "builtins by a built name": (
+        'b = operator.attrgetter("_" * 2 + "globals" + "_" * 2)(self._refill)["__builtins__"]',
+        "`attrgetter`",
+    ),
+    "a dunder in a string": ('p = "{0.__file__}".format(numpy)', "a string holds `__`"),
     "escape the function": (
         "pass\n<dedent>def wait_time(self, amount):\n    return 0.0",
         "left of the region's markers",
@@ -209,10 +219,10 @@ def test_every_trick_at_once_scores_zero(edition, workdir):
     folder = submit(edition, workdir / "all-tricks", appended, region_code=code)
     result = grade.grade(folder, REPO, TESTS, timeout=300, chapters=["10"])
     (row,) = result["assignments"]
-    report = result["chapters"]["10"]
-    assert report["status"] == "ok" and not report["anomalies"], report
+    assert row["status"] == "ok", row
+    assert not [r for r in row["reasons"] if "counted" in r or " took " in r], row  # no anomaly
     assert result["total"] == 0 and row["submission"] == "flagged", grade.table(result)
-    assert all(ID in t["stubs"] for t in report["tests"]), "every test met the stub"
+    assert all(ID in t["stubs"] for t in row["tests"]), "every test met the stub"
     assert "FLAGGED" in grade.table(result) and "`exec`" in grade.table(result)
 
 
@@ -248,6 +258,15 @@ def test_nothing_leads_to_the_reference():
     assert Path(nanovllm.__file__).is_relative_to(tree)
     for module in (sys.modules["_nanovllm_course_plugin"], pytest, _pytest):
         assert not Path(module.__file__).is_relative_to(tree), module
+    # In the OS sandbox the checkout does not exist: no path leads there, however it is built
+    # (here: from numpy's real file up, the walk of issue 42's string-built escape).
+    if {sandboxed!r}:
+        import numpy
+
+        assert not (Path(REPO) / "nanovllm").exists() and not (Path(REPO) / "tests").exists()
+        for parent in Path(os.path.realpath(numpy.__file__)).parents:
+            held = parent / "nanovllm/serve/admission.py"
+            assert not held.exists() or {stub!r} in held.read_text(), held
 """
 
 
@@ -255,7 +274,8 @@ def test_the_grading_process_finds_nothing_that_leads_to_the_reference(workdir, 
     sandbox = Sandbox(workdir / "private", REPO)
     stubs = {r.id: Submitted(r, "stub") for r in regions}
     tree = grade.prepare_tree(REPO, workdir / "probe-tree", stubs)
-    (tree / "tests/test_probe.py").write_text(PROBE.format(repo=str(REPO), stub=STUB))
+    probe = PROBE.format(repo=str(REPO), stub=STUB, sandboxed=sandbox.os_sandboxed)
+    (tree / "tests/test_probe.py").write_text(probe)
     report = sandbox.run(tree, ["tests/test_probe.py"], timeout=300)
     assert report["status"] == "ok", report
     (test,) = report["tests"]
@@ -273,3 +293,51 @@ def test_a_report_that_does_not_match_the_count_is_flagged():
     tests[0]["duration"] = -1
     assert any("negative" in f for f in grade.anomalies({"status": "ok", "tests": tests,
                                                           "wall_s": 2.0}, expected))  # fmt: skip
+
+
+DAEMON = """
+import subprocess, sys, time
+
+import pytest
+
+
+@pytest.mark.assignment("10.token_bucket")
+def test_leaves_a_daemon():
+    # a process in a session of its own: a process-group kill does not reach it
+    code = "import os, time; open({marker!r}, 'w').write(str(os.getpid())); time.sleep(600)"
+    subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    {then}
+"""
+
+
+@pytest.mark.parametrize("ending", ["returns", "hangs"])
+def test_nothing_a_graded_run_starts_outlives_it(workdir, regions, ending):
+    """A finished run and a run killed at its time limit leave no process behind, not even one
+    that left the run's process group (a Ray worker, a server): the OS sandbox's process
+    namespace ends with the run."""
+    import time
+
+    sandbox = Sandbox(workdir / f"private-daemon-{ending}", REPO)
+    if not sandbox.os_sandboxed:
+        pytest.skip(f"no OS sandbox here: {sandbox.isolation}")
+    stubs = {r.id: Submitted(r, "stub") for r in regions}
+    tree = grade.prepare_tree(REPO, workdir / f"daemon-{ending}", stubs)
+    marker = tree / "daemon.pid"
+    then = "time.sleep(600)" if ending == "hangs" else "pass"
+    (tree / "tests/test_daemon.py").write_text(DAEMON.format(marker=str(marker), then=then))
+    report = sandbox.run(tree, ["tests/test_daemon.py"], timeout=20 if ending == "hangs" else 120)
+    if ending == "hangs":
+        assert report["status"].startswith("timeout") and "test_leaves_a_daemon" in report["running"]
+    else:
+        assert report["status"] == "ok", report
+    # the pid is the sandbox's own; look for the process by its command line instead
+    time.sleep(1)
+    alive = [p for p in Path("/proc").glob("[0-9]*") if _cmdline(p).find(str(marker)) >= 0]
+    assert marker.exists() and not alive, alive
+
+
+def _cmdline(proc: Path) -> str:
+    try:
+        return (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""

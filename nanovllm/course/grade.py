@@ -142,6 +142,7 @@ def score(region: Region, sub: Submitted, nodeids: list[str], report: dict) -> d
         "reasons": reasons,
         "status": report["status"],
         "wall_s": round(report.get("wall_s", 0.0), 1),
+        "tests": [{k: t.get(k) for k in ("nodeid", "outcome", "stubs")} for t in tests],
         "first_failure": failure and (
             failure_line(failure) if report["status"] == "ok" else report["status"]
         ),

@@ -3,8 +3,10 @@
 An assignment region computes with its arguments, ``self`` and the module's tensors; it has
 no business with the test machinery, files, the import system, frames or other modules'
 attributes. The grader (:mod:`nanovllm.course.grade`) zeroes a region this check flags, with
-the reasons beside the score. It is a list of what a region may not name, so it is a speed
-bump, not a sandbox: ``chapters/INSTRUCTORS.md`` says what isolates the grading for real.
+the reasons beside the score. It is a list of what a region may not name (attribute
+look-ups by string included: ``attrgetter``, ``methodcaller``, any string holding ``__``), so
+it is a speed bump, not a sandbox: the OS sandbox of :mod:`nanovllm.course.sandbox`, where the
+reference does not exist, isolates the grading for real (``chapters/INSTRUCTORS.md``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ FORBIDDEN = {
     "traceback", "linecache", "runpy", "ctypes", "marshal", "pickle", "dill", "weakref",
     "modules", "meta_path", "path_hooks", "exec", "eval", "compile", "globals", "locals",
     "vars", "setattr", "delattr", "getattr", "type", "breakpoint", "input", "help",
+    "attrgetter", "methodcaller", "format_map",
     "_getframe", "f_globals", "f_locals", "f_back", "f_builtins", "f_code", "gi_frame",
     "cr_frame", "ag_frame", "tb_frame", "tb_next", "func_globals",
     # processes, files, the network
@@ -70,6 +73,8 @@ def check_region(body: str, modules: set[str] = frozenset()) -> list[str]:
             else node.arg if isinstance(node, ast.keyword) and node.arg
             else None
         )  # fmt: skip
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and "__" in node.value:
+            flag(node, "a string holds `__` (a dunder name built or looked up by a string)")
         if name in FORBIDDEN:
             flag(node, f"names `{name}` (test machinery, files, processes or the import system)")
         elif name and name.startswith("__") and name.endswith("__"):
