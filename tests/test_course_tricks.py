@@ -327,7 +327,8 @@ def test_nothing_a_graded_run_starts_outlives_it(workdir, regions, ending):
     (tree / "tests/test_daemon.py").write_text(DAEMON.format(marker=str(marker), then=then))
     report = sandbox.run(tree, ["tests/test_daemon.py"], timeout=20 if ending == "hangs" else 120)
     if ending == "hangs":
-        assert report["status"].startswith("timeout") and "test_leaves_a_daemon" in report["running"]
+        assert report["status"].startswith("timeout"), report
+        assert "test_leaves_a_daemon" in report["running"]
     else:
         assert report["status"] == "ok", report
     # the pid is the sandbox's own; look for the process by its command line instead
