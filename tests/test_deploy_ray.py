@@ -1,6 +1,9 @@
 """Tensor parallelism with Ray placing the workers (nanovllm/engine/ray_executor.py, chapter
 17 §4), on one local Ray cluster for the whole module (CPU, gloo): the same greedy tokens as
-one rank, the placement group's bundles, and a killed worker is an error, not a hang."""
+one rank, the placement group's bundles, and a killed worker is an error, not a hang.
+
+These tests carry no assignment id: a Ray cluster's daemons are not what a grader's sandbox gives
+a graded run, and the engine path they cover is graded by its own tests (nanovllm/course)."""
 
 from __future__ import annotations
 
@@ -9,7 +12,6 @@ import signal
 import time
 
 import pytest
-from course_ids import ENGINE
 from ray_helpers import start_local_ray
 from test_scheduler import make_tiny_llama
 
@@ -20,7 +22,6 @@ ray = pytest.importorskip("ray")
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9] * 7, list(range(10, 60))]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-TP = (*ENGINE, "09.row_shard", "09.vocab_embed")
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,6 @@ def options(**extra):
     return {"num_kv_blocks": 64, "dtype": "float32", **extra}
 
 
-@pytest.mark.assignment(*TP)
 def test_ray_tp2_matches_one_rank(cluster, tiny):
     with LLM(tiny, **options()) as llm:
         expected = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
@@ -62,7 +62,6 @@ def test_ray_tp2_matches_one_rank(cluster, tiny):
     assert all(g["state"] == "REMOVED" for g in ray.util.placement_group_table().values())
 
 
-@pytest.mark.assignment(*TP)
 def test_a_killed_ray_worker_is_an_error_not_a_hang(cluster, tiny):
     llm = LLM(tiny, **options(tensor_parallel_size=2, distributed_executor_backend="ray"))
     try:
