@@ -1,10 +1,13 @@
 """Scheduling policies on a simulated engine: a scheduler and block manager driven by a
 fake model that appends one token per finished prefill/decode, with a simulated clock of
-one second per step. Fast and deterministic; no model weights involved."""
+one second per step. Fast and deterministic; no model weights involved. At the end, the own
+tests of ``FairPolicy.order`` (assignment 06.fair_order) call it alone on hand-made
+sequences, so that they reach no other assignment region."""
 
 from __future__ import annotations
 
 import math
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -21,7 +24,7 @@ from nanovllm.engine.policies import (
 )
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.scheduler_output import ModelRunnerOutput
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
 
 UNFREED = tuple(a for a in SCHEDULER if a != "04.free")
@@ -280,3 +283,109 @@ def test_names_resolve_to_fresh_policies():
     assert isinstance(get_policy("priority"), PriorityPolicy)
     assert get_policy("fair") is not get_policy("fair")  # per-tenant state is per engine
     assert MixedPolicy().shares == {"interactive": 0.8, "batch": 0.2}
+
+
+# -- 06.fair_order's own tests: FairPolicy.order on hand-made sequences (no scheduler) -------
+
+
+def _seq(user, arrival, running=False) -> Sequence:
+    seq = Sequence([1, 2, 3], SamplingParams(max_tokens=1, user=user))
+    seq.metrics.arrival_time = arrival
+    if running:
+        seq.status = SequenceStatus.RUNNING
+    return seq
+
+
+@pytest.mark.assignment("06.fair_order")
+def test_fair_order_own_one_tenant_is_running_first_then_by_arrival():
+    w_early, r_late, w_mid, r_early = (
+        _seq(None, 0.0), _seq(None, 3.0, running=True), _seq(None, 1.0), _seq(None, 2.0, True))
+    order = FairPolicy().order([w_early, r_late, w_mid, r_early], now=10.0)
+    assert order == [r_early, r_late, w_early, w_mid]
+
+
+@pytest.mark.assignment("06.fair_order")
+def test_fair_order_own_interleaves_tenants_round_robin():
+    a = [_seq("A", t) for t in (0.0, 1.0, 2.0, 3.0)]
+    b = [_seq("B", t) for t in (4.0, 5.0)]
+    c = [_seq("C", 6.0)]
+    shuffled = [b[1], a[3], c[0], a[0], b[0], a[2], a[1]]
+    # every tenant's first, then every tenant's second...; nobody served yet: by arrival
+    assert FairPolicy().order(shuffled, now=0.0) == [a[0], b[0], c[0], a[1], b[1], a[2], a[3]]
+
+
+@pytest.mark.assignment("06.fair_order")
+def test_fair_order_own_the_tenant_served_least_recently_goes_first():
+    policy = FairPolicy()
+    a = [_seq("A", t) for t in (0.0, 1.0)]
+    b = [_seq("B", t) for t in (2.0, 3.0)]
+    c = [_seq("C", 9.0)]
+    policy.on_admit(_seq("B", 0.0), now=0.0)  # B's turn came first, A's after it
+    policy.on_admit(_seq("A", 0.0), now=1.0)  # C never had one
+    assert policy.order(a + b + c, now=2.0) == [c[0], b[0], a[0], b[1], a[1]]
+    policy.on_admit(_seq("B", 0.0), now=3.0)  # now A waited longest of the two
+    assert policy.order(a + b, now=4.0) == [a[0], b[0], a[1], b[1]]
+
+
+@pytest.mark.assignment("06.fair_order")
+def test_fair_order_own_a_tenants_running_sequences_come_before_its_waiting_ones():
+    r = _seq("A", 5.0, running=True)  # A's running one arrived last...
+    w = _seq("A", 0.0)
+    b = _seq("B", 1.0)
+    # ...but holds A's number 0; A's waiting one is number 1, after B's number 0
+    assert FairPolicy().order([w, b, r], now=6.0) == [b, r, w]
+    r2 = _seq("B", 7.0, running=True)
+    assert FairPolicy().order([w, b, r, r2], now=8.0) == [r, r2, w, b]
+
+
+@pytest.mark.assignment("06.fair_order")
+def test_fair_order_own_ties_and_no_side_effects():
+    policy = FairPolicy()
+    policy.on_admit(_seq("x", 0.0), now=0.0)
+    same = [_seq(user, 1.0) for user in ("x", None, "y", None, "x")]  # one arrival time
+    seqs = list(reversed(same))
+    before = (list(seqs), dict(policy._last_turn))
+    order = policy.order(seqs, now=3.0)
+    # None is one tenant of its own; equal arrivals go by seq_id (creation order)
+    assert order == [same[1], same[2], same[0], same[3], same[4]]
+    assert order is not seqs and (seqs, policy._last_turn) == before  # nothing changed
+    assert policy.order(seqs, now=1e6) == order  # `now` plays no part
+    assert policy.order([], now=0.0) == []
+
+
+def _fair_reference(seqs, last_turn):
+    """Round robin built round by round (no sort key): each tenant's queue is its running
+    sequences then its waiting ones, each by arrival; round k takes every tenant's k-th,
+    the tenant served least recently first, then by arrival."""
+    def arrival(s):
+        return (s.metrics.arrival_time, s.seq_id)
+
+    queues: dict = {}
+    for s in seqs:
+        queues.setdefault(s.user, []).append(s)
+    for user, q in queues.items():
+        queues[user] = (sorted([s for s in q if s.status is SequenceStatus.RUNNING], key=arrival)
+                        + sorted([s for s in q if s.status is SequenceStatus.WAITING], key=arrival))
+    out, k = [], 0
+    while len(out) < len(seqs):
+        tier = [q[k] for q in queues.values() if len(q) > k]
+        tier.sort(key=lambda s: (last_turn.get(s.user, -1), *arrival(s)))
+        out += tier
+        k += 1
+    return out
+
+
+@pytest.mark.assignment("06.fair_order")
+@pytest.mark.parametrize("seed", range(4))
+def test_fair_order_own_matches_a_reference_on_random_queues(seed):
+    rng = random.Random(seed)
+    for _ in range(40):
+        policy = FairPolicy()
+        users = ["u0", "u1", "u2", None][: rng.randint(1, 4)]
+        for user in rng.sample(users, rng.randint(0, len(users))):
+            policy.on_admit(_seq(user, 0.0), now=0.0)
+        seqs = [_seq(rng.choice(users), float(rng.randint(0, 5)), running=rng.random() < 0.3)
+                for _ in range(rng.randint(0, 12))]
+        rng.shuffle(seqs)
+        expected = _fair_reference(seqs, dict(policy._last_turn))
+        assert policy.order(seqs, now=9.0) == expected
