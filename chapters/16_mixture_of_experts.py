@@ -162,41 +162,94 @@ for name, cfg in shapes.items():
 # for parity: the softmax first (in float32), then the top-$k$, as `transformers` does it.
 
 # %%
-def route_small(logits: torch.Tensor, k: int, renormalize: bool):
-    probs = torch.softmax(logits.float(), dim=-1)
-    weights, ids = probs.topk(k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
+import math
+
+
+def route_token(scores: list[float], k: int, renormalize: bool) -> list[tuple[int, float]]:
+    """One token's routing in plain Python: its k experts and their weights, heaviest first."""
+    # softmax over the E experts; subtracting the largest score keeps exp() from overflowing
+    largest = max(scores)
+    exps = [math.exp(s - largest) for s in scores]
+    total = sum(exps)
+    probability = [x / total for x in exps]
+    # rank the (probability, expert) pairs: the most probable first and, on an exact tie,
+    # the lower expert number first
+    ranked = sorted(((p, e) for e, p in enumerate(probability)), key=lambda pe: (-pe[0], pe[1]))
+    chosen = [(e, p) for p, e in ranked[:k]]
+    if renormalize:  # Mixtral, Qwen3-MoE with norm_topk_prob: the k kept shares sum to 1
+        kept = sum(p for _, p in chosen)
+        chosen = [(e, p / kept) for e, p in chosen]
+    return chosen
 
 
 # %% [markdown]
-# The package's `route` (`nanovllm/layers/router.py`) is what the engine runs:
+# One token, four experts, $k = 2$: the softmax gives experts 0 and 1 most of the mass, and
+# without renormalization their two weights keep only the share they had (the rest belonged to
+# experts 2 and 3, which do not run).
+
+# %%
+# NBVAL_CHECK_OUTPUT
+scores = [2.0, 1.0, 0.5, -1.0]
+for renormalize in (False, True):
+    chosen = route_token(scores, 2, renormalize)
+    print(f"renormalize={renormalize!s:5s}: experts {[e for e, _ in chosen]}, weights "
+          f"{[round(w, 4) for _, w in chosen]}, sum {round(sum(w for _, w in chosen), 4)}")
+
+# %% [markdown]
+# `route_token` is the *meaning* of routing, and deliberately not how an engine computes it: a
+# Python loop over one token's $E$ scores, in float64, and a sort of $E$ pairs, token after
+# token. The engine routes a whole step at once: a float32 softmax over the $[T, E]$ logits
+# ($T$ tokens; $T$ may be 0), the top $k$ of every row in one tensor operation, largest first,
+# and the optional renormalization of every row. That batched version is `route` in
+# `nanovllm/layers/router.py`, and writing it is **assignment `16.route`**: its docstring is the
+# handout (shown here with the body elided). One difference to mind: `route_token` breaks an
+# exact tie by the lower expert number, a rule of our own; `torch.topk` promises no order among
+# equal values, and the handout asks for `torch.topk`'s order, because it is the one Hugging
+# Face's models get. Random float scores do not tie, so the comparison below never meets one.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 show_source(router.route)
 
+# %% [markdown]
+# The comparison: `route_token`, token by token, against the package's `route` on random
+# batches (in the course edition, `router.route` is your code; until you write it, the cell says
+# that it is still the stub).
+
 # %%
 # NBVAL_CHECK_OUTPUT
-gen = torch.Generator().manual_seed(0)
-for tokens, experts, k in [(1, 8, 2), (7, 64, 8), (33, 128, 8)]:
-    for renormalize in (True, False):
-        logits = torch.randn(tokens, experts, generator=gen)
-        ours, theirs = route_small(logits, k, renormalize), router.route(logits, k, renormalize)
-        assert torch.equal(ours[1], theirs[1]) and torch.allclose(ours[0], theirs[0])
-print("route_small equals nanovllm's route on 6 random cases")
-w, ids = router.route(torch.tensor([[2.0, 1.0, 0.5, -1.0]]), 2, renormalize=False)
-print("without renormalization the two weights sum to", round(w.sum().item(), 4))
+def compare_with_route(cases, seed: int = 0) -> str:
+    gen = torch.Generator().manual_seed(seed)
+    for tokens, experts, k in cases:
+        for renormalize in (True, False):
+            logits = torch.randn(tokens, experts, generator=gen)
+            weights, ids = router.route(logits, k, renormalize)
+            assert weights.dtype == torch.float32 and ids.dtype == torch.int64
+            assert weights.shape == ids.shape == (tokens, k), (weights.shape, ids.shape)
+            for t in range(tokens):
+                chosen = route_token(logits[t].tolist(), k, renormalize)
+                assert ids[t].tolist() == [e for e, _ in chosen], (tokens, experts, k, t)
+                assert torch.allclose(weights[t], torch.tensor([w for _, w in chosen])), t
+    return (f"route_token, token by token, equals nanovllm's route on {2 * len(cases)} random "
+            "batches (two of them empty)")
+
+
+try:
+    print(compare_with_route([(1, 8, 2), (7, 64, 8), (33, 128, 8), (0, 16, 4)]))
+except NotImplementedError:  # the course edition, before assignment 16.route is written
+    print("not compared: nanovllm's route is still the stub of assignment 16.route; write it in "
+          "nanovllm/layers/router.py (its docstring is the handout) and run this cell again")
 
 # %% [markdown]
 # **Hints for assignment `16.route`** (try without them first):
 #
-# 1. Three tensor operations and a division; read the handout's order of operations twice.
-# 2. `torch.softmax(..., dim=-1)` on `logits.float()`, then `Tensor.topk(k, dim=-1)` returns
-#    values largest first and their indices as int64.
-# 3. Renormalize with `weights.sum(dim=-1, keepdim=True)`; a new tensor, not in place on
-#    something the caller still holds.
+# 1. `route_token` above is the meaning; the assignment is the same for every row of `[T, E]`
+#    at once, with no Python loop over tokens. Read the handout's order of operations twice:
+#    which dtype the softmax runs in, and whether the cut comes before or after it.
+# 2. PyTorch has one operation that returns the k largest entries of each row with their
+#    indices, largest first, breaking ties the way the handout asks.
+# 3. Renormalizing divides each row by its own sum; mind the shapes so that it broadcasts,
+#    and do not modify anything the caller still holds.
 
 # %% [markdown]
 # ## 3. The experts, one at a time
