@@ -9,7 +9,7 @@
 #   make bench [BENCH_ARGS=..]  python -m nanovllm.benchmarks.throughput
 #   make student [CHAPTERS=04 [THROUGH=1]]  student edition in dist/student (STUDENT_OUT=...)
 #   make check [CHAPTERS=04]    in an edition: the public tests of each assignment, readable
-#   make grade [STUDENT=path]   grade a student's regions with these tests (chapters/INSTRUCTORS.md)
+#   make grade [STUDENT=path] [CHAPTERS=04] [ENGINE=1]  grade a student's regions (chapters/INSTRUCTORS.md)
 #   make analysis CH=06 [MEASURE=1]  a chapter's analysis questions; MEASURE=1 fills analysis/06.json
 #   make book                   the rendered book (HTML) in build/book/_build/html (book/)
 #   make browser                Chromium from the system packages, for tests/test_book.py
@@ -40,6 +40,7 @@ THROUGH ?=
 STUDENT_OUT ?= dist/student
 STUDENT ?=
 MEASURE ?=
+ENGINE ?=
 GRADE_JSON ?= dist/grade.json
 
 # The stamp is rebuilt (everything re-installed) whenever pyproject.toml changes.
@@ -149,7 +150,7 @@ student: $(SETUP)
 
 grade: weights
 	$(PY) -m nanovllm.course.grade --repo $(CURDIR) $(if $(STUDENT),--student $(STUDENT)) \
-	  $(if $(CHAPTERS),--chapters $(CHAPTERS)) --json $(GRADE_JSON)
+	  $(if $(CHAPTERS),--chapters $(CHAPTERS)) $(if $(ENGINE),--engine) --json $(GRADE_JSON)
 
 check: weights
 	$(PY) -m nanovllm.course.check --root $(CURDIR) $(if $(CHAPTERS),--chapters $(CHAPTERS))
