@@ -19,7 +19,7 @@ import pytest
 from nanovllm.course import assignment_table, student
 from nanovllm.course.answer_key import key_lines, leaks, region_lines, solution_lines
 from nanovllm.course.check import check
-from nanovllm.course.regions import find_regions
+from nanovllm.course.regions import find_regions, region_body
 from nanovllm.course.sandbox import Sandbox
 
 REPO = Path(__file__).resolve().parents[1]
@@ -78,6 +78,66 @@ def test_committed_chapters_and_the_staged_book_hold_no_answer(tmp_path, key):
     assert {name: hits for name, hits in chapters.items() if hits} == {}
 
 
+MODULE = '''
+def first(x):
+    """One."""
+    # >>> assignment 01.first (1 points)
+    value_of_the_first_region = x * 1234567 + 7654321
+    return value_of_the_first_region
+    # <<< assignment 01.first
+
+
+def second(x):
+    """Two."""
+    # >>> assignment 01.second (1 points)
+    value_of_the_second_region = x * 2345678 + 8765432
+    return value_of_the_second_region
+    # <<< assignment 01.second
+
+
+def third(x):
+    """Three."""
+    # >>> assignment 01.third (1 points)
+    value_of_the_third_region = x * 3456789 + 9876543
+    return value_of_the_third_region
+    # <<< assignment 01.third
+'''
+
+
+def test_the_key_holds_every_region_of_a_file_with_several(tmp_path):
+    """Cutting a file's regions one by one with line numbers taken before the first cut left
+    the later regions in the public text, and their key empty (issue 42)."""
+    for folder in ("nanovllm", "tests", "chapters"):
+        (tmp_path / folder).mkdir()
+    (tmp_path / "nanovllm/module.py").write_text(MODULE)
+    key = region_lines(tmp_path)
+    for name in ("first", "second", "third"):
+        assert f"value_of_the_{name}_region = x * " in " ".join(key), (name, key)
+    assert len(key) == 6  # two lines of each region
+
+
+def test_every_region_of_the_package_has_lines_in_the_key(key):
+    for region in find_regions(REPO / "nanovllm"):
+        body = {line.strip() for line in region_body(region.file.read_text(), region).splitlines()}
+        assert body & key, f"{region.id}: none of its lines is in the key"
+
+
+def test_a_copy_planted_in_a_shipped_file_is_found(whole_course, key, tmp_path):
+    """The scan that proves the editions clean finds a region's line wherever it is planted:
+    in a copied figure record, in a notebook's output (JSON-escaped)."""
+    import shutil
+
+    edition = tmp_path / "planted"
+    shutil.copytree(whole_course / "figures", edition / "figures")
+    region = next(r for r in find_regions(REPO / "nanovllm") if r.id == "08.token_scales")
+    line = next(s for s in region_body(region.file.read_text(), region).splitlines()
+                if s.strip() in key).strip()  # fmt: skip
+    assert scan(edition, key) == {}
+    record = edition / "figures/data/planted.json"
+    record.write_text(json.dumps({"outputs": [{"text": f"print({line!r})\n{line}"}]}))
+    assert line in scan(edition, key)["figures/data/planted.json"]
+
+
 def test_show_source_shows_each_region_as_its_stub(key):
     from nanovllm.viz.source import elided_source
 
@@ -113,11 +173,29 @@ def test_every_assignment_keeps_public_tests_and_the_edition_lists_them(whole_co
     assert "filled" in assignment_table("04") and "stub" not in assignment_table("04")
 
 
-def test_make_check_in_an_edition_reports_the_first_failure(whole_course):
-    (row,) = check(whole_course, ["10"], timeout=600)
+def test_make_check_names_a_stub_at_once_and_a_failing_test_with_its_message(
+    whole_course, tmp_path
+):
+    said = []
+    (row,) = check(whole_course, ["10"], timeout=600, say=said.append)
     assert (row["assignment"], row["status"], row["passed"]) == ("10.token_bucket", "stub", 0)
-    assert row["total"] >= 3 and row["run"] == "ok"
-    assert "NotImplementedError: assignment 10.token_bucket" in row["first_failure"]
+    assert row["first_failure"] == "not written yet: 10.token_bucket"
+    assert said[0].startswith("not written yet: 10.token_bucket")
+    # a wrong answer (it forgets the capacity): the failing test and its assertion, in one line
+    import shutil
+
+    edition = tmp_path / "wrong"
+    shutil.copytree(whole_course, edition, ignore=shutil.ignore_patterns("chapters", "figures"))
+    path = edition / "nanovllm/serve/admission.py"
+    text = path.read_text()
+    stub = next(line for line in text.splitlines() if "assignment 10.token_bucket:" in line)
+    wrong = ("now = self.clock()\n        self.level += (now - self.updated) * self.rate\n"
+             "        self.updated = now")  # fmt: skip
+    path.write_text(text.replace(stub.strip(), wrong))
+    (row,) = check(edition, ["10"], timeout=600)
+    assert row["status"] == "filled" and row["run"] == "ok" and 0 < row["passed"] < row["total"]
+    assert row["first_failure"].startswith("tests/test_serve_assignments.py::"), row
+    assert "AssertionError: assert" in row["first_failure"], row
 
 
 def test_the_first_stub_met_is_reported_not_a_cleanup_error():

@@ -16,7 +16,8 @@ the denominator); then one pytest process per assignment runs its own tests on a
 the sandbox (:mod:`nanovllm.course.sandbox`), and its report is checked against the count (a
 test missing from the report is a failure, a skipped one is no pass; too few or unknown tests,
 or times that add up to more than the run took, are flagged). Points: points x passed / own
-tests. A region that is missing, malformed or flagged scores 0, the reason beside it; a run that
+tests. A region that is still its stub scores 0 without a run; one that is missing, malformed
+or flagged scores 0 (it runs as its stub), the reason beside it; a run that
 crashes or passes ``--timeout`` scores its assignment 0 (the report names the test that was
 running), and grading goes on.
 
@@ -185,10 +186,13 @@ def grade(
         sandbox = Sandbox(workdir / "private", repo)
         expected = trusted_count(sandbox, repo, regions, tests, timeout, workdir)
         for region in graded:
-            mine = own_tests(expected, region.id)
-            bodies = {**stubs, region.id: submitted[region.id]}
-            report = _run(sandbox, repo, workdir, "run", bodies, mine, timeout, region.chapter)
-            rows.append(score(region, submitted[region.id], mine, report))
+            mine, sub = own_tests(expected, region.id), submitted[region.id]
+            if sub.status == "stub":  # nothing of the student's to run: 0 at once
+                report = {"status": f"not written yet: {region.id}", "tests": [], "wall_s": 0.0}
+            else:
+                bodies = {**stubs, region.id: sub}
+                report = _run(sandbox, repo, workdir, "run", bodies, mine, timeout, region.chapter)
+            rows.append(score(region, sub, mine, report))
         if engine:
             reference = read_submission(repo, repo, regions)
             for chapter in wanted:
