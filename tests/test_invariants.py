@@ -5,6 +5,9 @@ autograd guard: no tensor of a step requires grad, even with autograd enabled ar
 
 from __future__ import annotations
 
+import re
+from types import SimpleNamespace
+
 import pytest
 import torch
 from course_ids import ENGINE, FIRST_STEP
@@ -78,6 +81,91 @@ def test_check_refcounts_changes_nothing():
     check_refcounts(bm, [])
     assert ([(b.ref_count, b.hash) for b in bm.blocks], list(bm.free_ids),
             seq.block_table) == before
+
+
+def _manager(held: dict[int, int], num_blocks: int = 10) -> BlockManager:
+    """A manager whose blocks ``held`` (id -> ref_count) are out of the free list, by hand."""
+    bm = BlockManager(num_blocks=num_blocks, block_size=4, enable_prefix_caching=False)
+    for block_id, ref_count in held.items():
+        del bm.free_ids[block_id]
+        bm.blocks[block_id].ref_count = ref_count
+    return bm
+
+
+def _holder(request_id: str, *blocks: int) -> SimpleNamespace:
+    """Anything with a request_id and a block_table holds blocks (check_invariants passes
+    such stand-ins for a sliding window's manager)."""
+    return SimpleNamespace(request_id=request_id, block_table=list(blocks))
+
+
+def _mentions(problem: str, number: int) -> bool:
+    return re.search(rf"(?<![\w.]){number}(?![\w.])", problem) is not None
+
+
+@pytest.mark.assignment(CHECK)
+def test_check_refcounts_silent_on_fresh_and_shared_blocks():
+    """All free, nobody holding: fine. A prefix block shared by three requests (ref_count 3)
+    and a table holding blocks in any order: fine."""
+    assert check_refcounts(BlockManager(num_blocks=5, block_size=4), []) == []
+    bm = _manager({7: 3, 2: 1, 5: 1, 0: 2})
+    holders = [_holder("ann", 7, 2), _holder("bob", 7, 5, 0), _holder("cy", 7, 0)]
+    assert check_refcounts(bm, holders) == []
+    assert check_refcounts(bm, reversed(holders)) == []  # any iterable, any order
+
+
+@pytest.mark.assignment(CHECK)
+def test_check_refcounts_names_block_counts_and_holders_of_a_leaked_shared_block():
+    """Block 6 has ref_count 3 but only two holders: one problem, naming block 6, the
+    ref_count 3, the 2 holders and who they are."""
+    bm = _manager({6: 3, 8: 1})
+    [problem] = check_refcounts(bm, [_holder("ann", 6, 8), _holder("bob", 6)])
+    assert _mentions(problem, 6) and _mentions(problem, 3) and _mentions(problem, 2), problem
+    assert "ann" in problem and "bob" in problem
+    # and the other way: ref_count 1 under three holders (a double free in the making)
+    bm = _manager({6: 1, 8: 1})
+    [problem] = check_refcounts(bm, [_holder("ann", 6, 8), _holder("bob", 6), _holder("cy", 6)])
+    assert _mentions(problem, 6) and _mentions(problem, 1) and _mentions(problem, 3), problem
+    assert all(name in problem for name in ("ann", "bob", "cy"))
+
+
+@pytest.mark.assignment(CHECK)
+def test_check_refcounts_finds_free_list_disagreements_alone():
+    """Counts right, free list wrong: a held block listed as free, and a block of
+    ref_count 0 (nobody holds it) missing from the free list. One problem each."""
+    bm = _manager({4: 1, 9: 0})  # block 9: ref_count 0 but taken out of the free list
+    holders = [_holder("ann", 4)]
+    [lost] = check_refcounts(bm, holders)
+    assert _mentions(lost, 9) and not _mentions(lost, 4), lost
+    bm.free_ids[9] = None
+    bm.free_ids[4] = None  # held by ann, yet free
+    [listed] = check_refcounts(bm, holders)
+    assert _mentions(listed, 4) and not _mentions(listed, 9), listed
+
+
+@pytest.mark.assignment(CHECK)
+def test_check_refcounts_counts_a_repeated_block_once_per_occurrence():
+    """[5, 5] in one table with ref_count 2: only the repeat is a problem; with ref_count 1
+    the count is also off (2 occurrences against 1)."""
+    bm = _manager({5: 2})
+    [twice] = check_refcounts(bm, [_holder("ann", 5, 5)])
+    assert _mentions(twice, 5) and "ann" in twice
+    bm.blocks[5].ref_count = 1
+    problems = check_refcounts(bm, [_holder("ann", 5, 5)])
+    assert len(problems) == 2 and all(_mentions(p, 5) for p in problems), problems
+
+
+@pytest.mark.assignment(CHECK)
+def test_check_refcounts_reports_in_block_order():
+    """Mismatches at blocks 9, 3 and 6, holders listed from the last block to the first: the
+    problems come in block order 3, 6, 9."""
+    bm = _manager({9: 2, 3: 1, 6: 1, 1: 1})
+    holders = [_holder("ann", 9), _holder("bob", 6, 3), _holder("cy", 6), _holder("dee", 1)]
+    problems = check_refcounts(bm, holders)
+    # block 9: ref_count 2, one holder; block 6: ref_count 1, two; block 3: right, for now
+    assert [b for p in problems for b in (3, 6, 9) if _mentions(p, b)] == [6, 9], problems
+    bm.blocks[3].ref_count = 2
+    problems = check_refcounts(bm, holders)
+    assert [b for p in problems for b in (3, 6, 9) if _mentions(p, b)] == [3, 6, 9], problems
 
 
 # -- the engine: correct runs are silent ---------------------------------------------------

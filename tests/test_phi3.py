@@ -204,6 +204,88 @@ def test_split_fused_tensor_unit():
         model.split_fused_tensor("model.layers.0.mlp.gate_up_proj.weight", gate_up[:5])
 
 
+def _phi3(heads: int, kv_heads: int, head_dim: int, inter: int, hidden: int = 6):
+    return Phi3ForCausalLM(ModelConfig.from_dict({
+        "architectures": ["Phi3ForCausalLM"], "vocab_size": 8, "hidden_size": hidden,
+        "intermediate_size": inter, "num_hidden_layers": 1, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": head_dim,
+    }))
+
+
+def _rows(n: int, cols: int = 6) -> torch.Tensor:
+    """Row r holds r everywhere (plus the column / 100), so a piece names its rows."""
+    return torch.arange(n, dtype=torch.float32)[:, None] + torch.arange(cols) / 100
+
+
+@pytest.mark.assignment(ID)
+@pytest.mark.parametrize("heads, kv_heads, head_dim, inter", [(3, 3, 4, 5), (8, 1, 2, 7)],
+                         ids=["mha", "mqa"])
+def test_split_sizes_come_from_the_config(heads, kv_heads, head_dim, inter):
+    """Other head layouts than the unit test's: q is heads * head_dim rows, k and v
+    kv_heads * head_dim each, gate and up intermediate_size each, in that order."""
+    model = _phi3(heads, kv_heads, head_dim, inter)
+    q, kv = heads * head_dim, kv_heads * head_dim
+    fused = _rows(q + 2 * kv)
+    got = model.split_fused_tensor("model.layers.0.self_attn.qkv_proj.weight", fused)
+    assert [name.split(".")[-2] for name, _ in got] == ["q_proj", "k_proj", "v_proj"]
+    assert [piece.shape for _, piece in got] == [(q, 6), (kv, 6), (kv, 6)]
+    assert torch.equal(torch.cat([piece for _, piece in got]), fused)  # in order, all rows
+    assert torch.equal(got[1][1], fused[q : q + kv])
+    got = model.split_fused_tensor("model.layers.0.mlp.gate_up_proj.weight", _rows(2 * inter))
+    assert [(name, piece.shape[0]) for name, piece in got] == [
+        ("model.layers.0.mlp.gate_proj.weight", inter),
+        ("model.layers.0.mlp.up_proj.weight", inter),
+    ]
+    assert torch.equal(got[1][1], _rows(2 * inter)[inter:])
+
+
+@pytest.mark.assignment(ID)
+def test_split_uses_the_whole_models_sizes_at_every_rank():
+    """At rank 1 of 2 the model's own qkv_proj holds half the rows, but the checkpoint tensor
+    is whole: the split must use the config's sizes, not this rank's parameter shapes."""
+    for rank in range(2):
+        with as_rank(rank, 2):  # (the loader splits at its rank too)
+            model = _phi3(4, 2, 2, 6)
+            assert model.model.layers[0].self_attn.qkv_proj.weight.shape[0] == 8  # 16 / 2
+            qkv = model.split_fused_tensor("model.layers.0.self_attn.qkv_proj.weight", _rows(16))
+            gate_up = model.split_fused_tensor("model.layers.0.mlp.gate_up_proj.weight",
+                                               _rows(12))
+        assert [piece[:, 0].tolist() for _, piece in qkv] == [
+            list(range(8)), list(range(8, 12)), list(range(12, 16))], rank
+        assert [piece[:, 0].tolist() for _, piece in gate_up] == [list(range(6)),
+                                                                   list(range(6, 12))], rank
+
+
+@pytest.mark.assignment(ID)
+def test_split_keeps_the_rest_of_the_name():
+    """Only the fused fragment changes: the layer number and the weight/bias suffix stay."""
+    model = _phi3(4, 2, 2, 3)
+    got = model.split_fused_tensor("model.layers.27.self_attn.qkv_proj.weight", _rows(16))
+    assert [name for name, _ in got] == ["model.layers.27.self_attn.q_proj.weight",
+                                         "model.layers.27.self_attn.k_proj.weight",
+                                         "model.layers.27.self_attn.v_proj.weight"]
+    got = model.split_fused_tensor("model.layers.11.mlp.gate_up_proj.weight", _rows(6))
+    assert [name for name, _ in got] == ["model.layers.11.mlp.gate_proj.weight",
+                                         "model.layers.11.mlp.up_proj.weight"]
+    for name in ("model.norm.weight", "model.layers.2.input_layernorm.weight",
+                 "model.layers.2.post_attention_layernorm.weight"):
+        tensor = torch.ones(6)
+        assert model.split_fused_tensor(name, tensor) == [(name, tensor)]
+
+
+@pytest.mark.assignment(ID)
+def test_split_refuses_too_many_rows_as_well_as_too_few():
+    model = _phi3(4, 2, 2, 3)
+    for rows in (15, 17, 32, 8):
+        with pytest.raises(ValueError, match="rows"):
+            model.split_fused_tensor("model.layers.0.self_attn.qkv_proj.weight", _rows(rows))
+    for rows in (5, 7, 3):
+        with pytest.raises(ValueError, match="rows"):
+            model.split_fused_tensor("model.layers.0.mlp.gate_up_proj.weight", _rows(rows))
+    with pytest.raises(ValueError, match="rows"):  # a bias of the wrong length too
+        model.split_fused_tensor("model.layers.0.self_attn.qkv_proj.bias", torch.zeros(12))
+
+
 @pytest.mark.assignment(ID)
 def test_a_fused_tensor_of_the_wrong_size_names_file_and_tensor(tmp_path):
     from safetensors.torch import load_file, save_file

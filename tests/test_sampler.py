@@ -1,5 +1,9 @@
 """The sampler: greedy, filters, Gumbel-max frequencies, and per-request seeds.
 
+The tests of ``filter_logits`` alone (assignment ``01.filter_logits``) check hand-computed
+masks (per row, in vocabulary order, top-p and min-p after the top-k renormalisation, the top
+token always kept, top-p 1 keeping all) and random rows against a float64 reference.
+
 The tests of ``Sampler.forward`` alone (assignment ``01.sampler``) compare frequencies with
 the softmax probabilities by Pearson's chi-square on fixed seeds (so they cannot flake),
 check that a seeded row's tokens do not depend on the rest of the batch, that greedy rows take
@@ -42,6 +46,112 @@ def test_filters_keep_the_right_tokens():
     assert kept(top_k=one(5, torch.int64), top_p=one(0.8), min_p=one(0.0)) == [1, 1, 1, 0, 0]
     # min_p 0.5: keep p >= 0.2
     assert kept(top_k=one(5, torch.int64), top_p=one(1.0), min_p=one(0.5)) == [1, 1, 0, 0, 0]
+
+
+def _one_row_settings(n, top_k=None, top_p=1.0, min_p=0.0, vocab=5):
+    """Per-row filter settings; each argument a value for every row or a list of n values."""
+    per_row = lambda v: v if isinstance(v, list) else [v] * n  # noqa: E731
+    return dict(top_k=torch.tensor([vocab if k is None else k for k in per_row(top_k)]),
+                top_p=torch.tensor(per_row(top_p), dtype=torch.float32),
+                min_p=torch.tensor(per_row(min_p), dtype=torch.float32))
+
+
+@pytest.mark.assignment("01.filter_logits")
+def test_filters_each_row_its_own_settings_in_vocabulary_order():
+    """The probabilities of the test above, shuffled over the vocabulary: each row keeps what
+    its own setting says, at the tokens' own places, and nothing else."""
+    probs = [0.4, 0.3, 0.15, 0.1, 0.05]
+    place = [3, 0, 4, 1, 2]  # the token of rank r sits at vocabulary index place[r]
+    row = torch.empty(5)
+    for rank, p in enumerate(probs):
+        row[place[rank]] = torch.log(torch.tensor(p))
+    logits = row.expand(4, 5).clone()
+    settings = _one_row_settings(4, top_k=[2, None, None, None], top_p=[1.0, 0.8, 1.0, 1.0],
+                                 min_p=[0.0, 0.0, 0.5, 0.0])
+    out = filter_logits(logits, **settings)
+
+    def at_places(kept_ranks):
+        return [place.index(i) in kept_ranks for i in range(5)]
+
+    assert torch.isfinite(out).tolist() == [at_places({0, 1}), at_places({0, 1, 2}),
+                                            at_places({0, 1}), at_places({0, 1, 2, 3, 4})]
+    assert (out[~torch.isfinite(out)] == float("-inf")).all()  # dropped means -inf, not NaN
+
+
+@pytest.mark.assignment("01.filter_logits")
+def test_filters_return_a_new_tensor_with_the_kept_logits_unchanged():
+    gen = torch.Generator().manual_seed(8)
+    logits = 3 * torch.randn(6, 40, generator=gen)
+    before = logits.clone()
+    settings = _one_row_settings(6, top_k=[40, 7, 1, 40, 12, 40],
+                                 top_p=[1.0, 1.0, 1.0, 0.6, 0.9, 1.0],
+                                 min_p=[0.0, 0.0, 0.0, 0.0, 0.05, 0.2], vocab=40)
+    out = filter_logits(logits, **settings)
+    assert out.shape == logits.shape and out.dtype == torch.float32
+    assert torch.equal(logits, before), "the input was modified"
+    kept = torch.isfinite(out)
+    assert torch.equal(out[kept], logits[kept]), "a kept logit changed"
+    assert kept.sum(-1)[[1, 2]].tolist() == [7, 1]  # the top-k rows (their p/min-p are off)
+    assert kept[2, logits[2].argmax()]
+    assert torch.equal(filter_logits(logits, **_one_row_settings(6, vocab=40)), logits)  # all off
+
+
+@pytest.mark.assignment("01.filter_logits")
+def test_top_p_and_min_p_see_the_distribution_renormalised_after_top_k():
+    """Top-3 of [0.4, 0.3, 0.15, 0.1, 0.05] renormalised: [0.47, 0.35, 0.18]. With top-p 0.8
+    the mass above the third token is 0.82 >= 0.8 (it goes), where over the whole distribution
+    it would be 0.7 (it would stay)."""
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.15, 0.1, 0.05]])).expand(2, 5).clone()
+    out = filter_logits(logits, **_one_row_settings(2, top_k=3, top_p=[0.8, 0.9]))
+    assert torch.isfinite(out).tolist() == [[1, 1, 0, 0, 0], [1, 1, 1, 0, 0]]
+    # min-p compares with the largest probability: 0.15 / 0.4 = 0.375 keeps the third at 0.35
+    out = filter_logits(logits, **_one_row_settings(2, top_k=4, min_p=[0.35, 0.4]))
+    assert torch.isfinite(out).tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0]]
+
+
+@pytest.mark.assignment("01.filter_logits")
+def test_the_top_token_always_stays_and_top_p_one_keeps_everything():
+    """[0, -20, -20, -20]: in fp32 the top probability is 1.0 exactly and the running mass
+    before the other tokens is already 1, yet top-p 1 must keep them. A tiny top-p or a min-p
+    of 1 keeps the top token alone; tokens tied with the largest stay under min-p 1
+    (kept when at least min_p times the largest)."""
+    logits = torch.tensor([[-20.0, 0.0, -20.0, -20.0]]).expand(3, 4).clone()
+    out = filter_logits(logits, **_one_row_settings(3, top_p=[1.0, 1e-3, 1.0],
+                                                   min_p=[0.0, 0.0, 1.0], vocab=4))
+    assert torch.isfinite(out).tolist() == [[1, 1, 1, 1], [0, 1, 0, 0], [0, 1, 0, 0]]
+    tied = torch.tensor([[2.0, -1.0, 2.0, 0.0]])
+    out = filter_logits(tied, **_one_row_settings(1, min_p=1.0, vocab=4))
+    assert torch.isfinite(out).tolist() == [[1, 0, 1, 0]]
+
+
+def _filter_reference(row: torch.Tensor, k: int, top_p: float, min_p: float) -> list[bool]:
+    """The handout's rules in float64, token by token, for a row without ties."""
+    ranked = sorted(range(len(row)), key=lambda i: -float(row[i]))[:k]
+    weights = torch.tensor([float(row[i]) for i in ranked], dtype=torch.float64).softmax(0)
+    keep, above = [False] * len(row), 0.0
+    for i, p in zip(ranked, weights.tolist()):
+        assert top_p >= 1 or abs(above - top_p) > 1e-4, "too close to call in fp32"
+        assert abs(p - min_p * float(weights[0])) > 1e-6, "too close to call in fp32"
+        keep[i] = (above < top_p or top_p >= 1) and p >= min_p * float(weights[0])
+        above += p
+    return keep
+
+
+@pytest.mark.assignment("01.filter_logits")
+def test_filters_match_a_float64_reference_on_random_rows():
+    gen = torch.Generator().manual_seed(12)
+    n, vocab = 24, 30
+    logits = 2 * torch.randn(n, vocab, generator=gen)
+    top_k = torch.randint(1, vocab + 1, (n,), generator=gen)
+    top_k[::4] = vocab  # some rows without top-k
+    top_p = torch.rand(n, generator=gen) * 0.9 + 0.05
+    top_p[1::3] = 1.0
+    min_p = torch.rand(n, generator=gen) * 0.3
+    min_p[2::3] = 0.0
+    out = filter_logits(logits, top_k, top_p, min_p)
+    for r in range(n):
+        expected = _filter_reference(logits[r], int(top_k[r]), float(top_p[r]), float(min_p[r]))
+        assert torch.isfinite(out[r]).tolist() == expected, r
 
 
 @pytest.mark.assignment(SAMPLER)
