@@ -18,6 +18,7 @@ from nanovllm.viz.diagrams import arrow, box, canvas
 from nanovllm.viz.records import load_record
 from nanovllm.viz.style import BOOK_COLORS
 
+
 def h200_sms() -> int:
     """The streaming multiprocessors of the H200 the book measures on, as its decode-kernel run
     recorded them (chapter 05 §6), not typed here; read when a diagram is drawn, not at import
