@@ -1,5 +1,6 @@
 """The book tells the truth: what it prints can be run, what it cites exists, what it measured
-comes from a record or a cell (issue 29). Four checks, each shown failing on a planted error:
+comes from a record or a cell (issues 29 and 43). Five checks, each shown failing on a planted
+error:
 
 - **Commands.** Every ``python -m nanovllm...`` and ``nanovllm serve ...`` printed in a chapter
   (its source and its stored outputs), the README, book/, a docstring or a record's ``command``
@@ -10,6 +11,9 @@ comes from a record or a cell (issue 29). Four checks, each shown failing on a p
   chapter; a reference followed by a description ("chapter 13 §1, the leak check") must find
   the description's first word in the heading's title, so renumbered sections are caught. A
   ``FILE.md §X`` names a file of the repository, and a path in code font names a file.
+- **Records.** A record's file name (``*_h200.json``, ``*_cpu.json``, ...) in a chapter's prose,
+  the README or book/ names a file of ``figures/data/``; a code cell may read an uncommitted one
+  only behind a check that it exists (it then prints that no record exists yet).
 - **Numbers.** A number with a unit of measurement (tok/s, TB/s, TFLOP/s, µs, ms, GiB, %, ×,
   ...) typed in a chapter's markdown must be one the chapter's stored outputs print (equal
   after rounding to the typed precision), or be listed in ``TYPED_NUMBERS`` below: as the
@@ -308,6 +312,52 @@ def test_a_planted_broken_reference_fails() -> None:
                 " and `kernels/bench_prefill.py`", None), ("03_planted", "as §9 showed", "03")]
     problems = reference_problems(planted)
     assert len(problems) == 5, "\n".join(problems)
+
+
+# ----------------------------------------------------------------------------------- records
+
+# A record's file name: a measurement's device in it (bench_h200.json, routing_cpu.json, ...).
+_RECORD = re.compile(r"(?<![\w{}*.-])([\w.-]+_(?:h200|h100|cpu|gpu|2core)[\w.-]*\.json)\b")
+# A code cell that only reads a record when it exists, or writes the file it names.
+_GUARDED = ("exists(", "is_file(", "--out", "write_text(", "json.dump(")
+
+
+def record_problems(texts: list[tuple[str, str, str]]) -> list[str]:
+    """``texts``: (where, text, "markdown" or "code"). Prose may name only committed records;
+    code may read an uncommitted one only behind a check that it exists (issue 43: chapters
+    described H200 records that were never committed)."""
+    data = ROOT / "figures" / "data"
+    problems = []
+    for where, text, kind in texts:
+        for name in sorted(set(_RECORD.findall(text))):
+            if (data / name).exists() or (data / "gpu_runs" / name).exists():
+                continue
+            if kind == "code" and any(g in text for g in _GUARDED):
+                continue
+            problems.append(f"{where}: {kind} names {name}, which figures/data/ does not hold")
+    return problems
+
+
+def chapter_texts() -> list[tuple[str, str, str]]:
+    texts = [(f"{p.name} cell {i}", c.source, c.cell_type)
+             for p in CHAPTERS for i, c in enumerate(jupytext.read(p).cells)]
+    return texts + [(p.name, p.read_text(), "markdown") for p in DOCS]
+
+
+def test_every_named_record_is_committed() -> None:
+    problems = record_problems(chapter_texts())
+    assert not problems, "\n".join(problems)
+
+
+def test_a_planted_uncommitted_record_fails() -> None:
+    planted = [
+        ("prose", "The H200 record (`moe_workload_qwen3_h200.json`) shows it.", "markdown"),
+        ("read", 'record = json.loads((DATA / "routing_h999_h200.json").read_text())', "code"),
+        ("guarded", 'path = DATA / "routing_h999_h200.json"\nif path.exists(): ...', "code"),
+        ("committed", "as `bench_h200.json` records", "markdown"),
+    ]
+    problems = record_problems(planted)
+    assert [p.split(":")[0] for p in problems] == ["prose", "read"], problems
 
 
 # ----------------------------------------------------------------------------------- numbers
