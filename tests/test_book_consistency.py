@@ -188,6 +188,10 @@ def test_instructors_counts_the_course_as_it_is() -> None:
     assert f"**{len(points)} assignments, {total} points**" in guide
     rows = dict(re.findall(r"^\| `(\d\d\.\w+)` \| (\d+) \|", guide, re.M))
     assert {k: int(v) for k, v in rows.items()} == points, "the assignment table is stale"
+    # each row names first the function whose region it is (issue 43: a row named a caller)
+    functions = {r.id: r.function for r in find_regions(ROOT / "nanovllm")}
+    named = dict(re.findall(r"^\| `(\d\d\.\w+)` \| \d+ \| `([^`]+)`", guide, re.M))
+    assert named == functions, {i: (n, functions[i]) for i, n in named.items() if n != functions[i]}
     weeks = re.findall(r"^\| \d+ \| [^|]+\| ([^|]+)\| (\d+) \|$", guide, re.M)
     assert weeks, "the weekly schedule is missing"
     for ids, week_points in weeks:
