@@ -24,13 +24,12 @@ def grace_seconds(pre_stop: float, grace_period: float, margin: float, headroom:
     # END SOLUTION
 
 # %% tags=["solution"]
-def leading_match(held: set, hashes: list) -> int:
-    """The number of leading ``hashes`` found in ``held``."""
+def fleet_bounds(peak_rps: float, met_rps: float, missed_rps: float) -> tuple[int, int]:
+    """(fewest replicas that might meet the SLO, fewest that surely do) at ``peak_rps``."""
     # BEGIN SOLUTION
-    count = 0
-    for h in hashes:
-        if h not in held:
-            break
-        count += 1
-    return count
+    import math
+
+    might = math.floor(peak_rps / missed_rps) + 1  # fewer: each gets missed_rps or more
+    surely = math.ceil(peak_rps / met_rps)  # each gets at most met_rps
+    return might, surely
     # END SOLUTION
