@@ -15,6 +15,8 @@ from pydantic import BaseModel, Field
 from serve_helpers import running_server, wait_until_idle
 from test_scheduler import one_torch_thread  # noqa: F401
 
+from nanovllm.serve.response_format import ResponseFormat, StructuredOutputsFields, constraint
+
 pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -88,10 +90,21 @@ def test_vllm_structured_outputs_extra_body(client):
     assert out.choices[0].text in ("The answer is yes.", "The answer is no.")
     out = client.chat.completions.create(
         model=MODEL, messages=ASK, max_tokens=60, temperature=0,
-        extra_body={"structured_outputs": {"json": PERSON, "disable_any_whitespace": True}})
+        extra_body={"structured_outputs": {"json": PERSON}})
     text = out.choices[0].message.content
-    assert text.startswith('{"name": "')  # xgrammar's one-line layout, no free whitespace
+    assert text.startswith('{"name": "')  # compact by default: json.dumps's one-line layout
+    assert text == json.dumps(json.loads(text), ensure_ascii=False)
     jsonschema.validate(json.loads(text), PERSON)
+
+
+@pytest.mark.parametrize("given", [{}, {"disable_any_whitespace": True},
+                                   {"disable_any_whitespace": False}])
+def test_the_whitespace_switch_passes_through_to_the_engine(given):
+    fields = StructuredOutputsFields.model_validate({"json": PERSON, **given})
+    params = constraint(None, fields)
+    assert params.disable_any_whitespace is given.get("disable_any_whitespace", True)
+    for fmt in ({"type": "json_object"}, SCHEMA_FORMAT):  # OpenAI's response_format: compact
+        assert constraint(ResponseFormat.model_validate(fmt), None).disable_any_whitespace
 
 
 def test_streaming_json_schema(client):
@@ -113,6 +126,7 @@ def test_streaming_json_schema(client):
     {"structured_outputs": {"grammar": "root ::= missing"}},
     {"structured_outputs": {"choice": []}},
     {"structured_outputs": {"regex": "a", "choice": ["a"]}},
+    {"structured_outputs": {"json": PERSON, "disable_any_whitespace": "no"}},
     {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
     {"response_format": {"type": "yaml"}},
     {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},

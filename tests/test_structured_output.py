@@ -50,7 +50,8 @@ def chat(tokenizer, question: str) -> str:
 
 
 def schema_params(schema, **kw) -> SamplingParams:
-    so = StructuredOutputsParams(json=schema, disable_any_whitespace=kw.pop("compact", False))
+    """``compact=False`` lets the JSON carry any whitespace; the default is compact."""
+    so = StructuredOutputsParams(json=schema, disable_any_whitespace=kw.pop("compact", True))
     return SamplingParams(structured_outputs=so, max_tokens=kw.pop("max_tokens", 60), **kw)
 
 
@@ -96,7 +97,8 @@ def test_smollm2_greedy_outputs_parse_validate_and_match(smollm2_dir):
     tok = llm.engine.tokenizer
     prompts = [chat(tok, "Describe one thing as JSON.")] * 3
     prompts += [chat(tok, "Name a color."), chat(tok, "Give me a phone number.")]
-    params = [schema_params(s, temperature=0) for s in SCHEMAS] + [
+    # PERSON and ORDER compact (the default), CITY with any whitespace allowed
+    params = [schema_params(s, temperature=0, compact=s is not CITY) for s in SCHEMAS] + [
         SamplingParams(temperature=0, max_tokens=8,
                        structured_outputs=StructuredOutputsParams(choice=COLORS)),
         SamplingParams(temperature=0, max_tokens=12,
@@ -104,12 +106,15 @@ def test_smollm2_greedy_outputs_parse_validate_and_match(smollm2_dir):
     outputs = run(llm, prompts, params)
     for out, schema in zip(outputs, SCHEMAS):
         check_json(out.outputs[0], schema)
+        if schema is not CITY:  # compact: exactly json.dumps's layout, one line
+            text = out.outputs[0].text
+            assert text == json.dumps(json.loads(text), ensure_ascii=False), text
     assert outputs[3].outputs[0].text in COLORS
     assert re.fullmatch(PHONE, outputs[4].outputs[0].text)
 
 
 def test_every_hot_sample_parses_and_validates(tiny, prompt):
-    hot = [schema_params(s, temperature=1.5, n=3, seed=7 + i, compact=True)
+    hot = [schema_params(s, temperature=1.5, n=3, seed=7 + i)
            for i, s in enumerate(SCHEMAS)]
     hot.append(SamplingParams(temperature=1.5, n=3, max_tokens=60, structured_outputs=(
         StructuredOutputsParams(json_object=True, disable_any_whitespace=True))))
@@ -173,7 +178,7 @@ def test_too_few_tokens_end_with_length_and_partial_text(tiny, prompt):
 
 
 def test_seeds_logprobs_penalties_and_stop_strings(tiny, prompt):
-    seeded = schema_params(PERSON, temperature=1.2, seed=11, n=2, compact=True, logprobs=2,
+    seeded = schema_params(PERSON, temperature=1.2, seed=11, n=2, logprobs=2,
                            repetition_penalty=1.3, presence_penalty=0.5)
     first, again = run(tiny, prompt, seeded)[0], run(tiny, prompt, seeded)[0]
     assert first.outputs[0].token_ids != first.outputs[1].token_ids
@@ -184,7 +189,7 @@ def test_seeds_logprobs_penalties_and_stop_strings(tiny, prompt):
         assert len(a.logprobs) == len(a.token_ids)
         for token, entry in zip(a.token_ids, a.logprobs):
             assert entry[token].logprob > float("-inf")
-    stop = schema_params(PERSON, temperature=0, compact=True, stop=['"age"'])
+    stop = schema_params(PERSON, temperature=0, stop=['"age"'])
     out = run(tiny, prompt, stop)[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == '"age"'
     assert out.text.startswith('{"name": "') and '"age"' not in out.text
@@ -193,7 +198,7 @@ def test_seeds_logprobs_penalties_and_stop_strings(tiny, prompt):
 def test_preemption_and_async_scheduling_keep_constrained_tokens(tiny_dir, tiny, prompt):
     """Recompute preemption under async scheduling gives the seeded constrained samples the
     tokens of a roomy synchronous run."""
-    params = [schema_params(PERSON, temperature=1.0, seed=5, n=2, compact=True),
+    params = [schema_params(PERSON, temperature=1.0, seed=5, n=2),
               SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)]
     roomy = run(tiny, [prompt, prompt], params)
     small = make_llm(tiny_dir, num_kv_blocks=6, max_model_len=128, async_scheduling=True)

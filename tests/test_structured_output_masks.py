@@ -21,17 +21,28 @@ from nanovllm.structured_output.toy_dfa import DFA, dfa_mask, number_dfa
     {}, {"json": {"type": "object"}, "regex": "a"}, {"choice": []}, {"choice": ["a", 1]},
     {"regex": ""}, {"grammar": 3}, {"json": "{not json"}, {"json": [1, 2]},
     {"json_object": "yes"}, {"regex": "a", "disable_any_whitespace": 1},
+    {"json": {"type": "object"}, "disable_any_whitespace": "false"},
+    {"json_object": True, "disable_any_whitespace": None},
 ])
 def test_params_reject_anything_but_exactly_one_wellformed_constraint(kwargs):
     with pytest.raises(ValueError):
         StructuredOutputsParams(**kwargs)
 
 
+def test_json_is_compact_by_default_and_the_switch_is_a_validated_bool():
+    assert StructuredOutputsParams(json={"type": "object"}).disable_any_whitespace is True
+    assert StructuredOutputsParams(json_object=True).disable_any_whitespace is True
+    spaced = StructuredOutputsParams(json={"type": "object"}, disable_any_whitespace=False)
+    assert spaced.key() != StructuredOutputsParams(json={"type": "object"}).key()  # two grammars
+    with pytest.raises(ValueError, match="disable_any_whitespace must be a bool.*got 'no'"):
+        StructuredOutputsParams(json={"type": "object"}, disable_any_whitespace="no")
+
+
 def test_params_normalise_and_key():
     a = StructuredOutputsParams(json='{"type": "object", "required": ["a"]}')
     b = StructuredOutputsParams(json={"required": ["a"], "type": "object"})
     assert a.json == b.json and a.key() == b.key() and a.kind == "json"
-    assert StructuredOutputsParams(choice=("x", "y")).key() == ("choice", ("x", "y"), False)
+    assert StructuredOutputsParams(choice=("x", "y")).key() == ("choice", ("x", "y"), True)
     assert StructuredOutputsParams(json_object=True).kind == "json_object"
     with pytest.raises(ValueError, match="structured_outputs"):
         SamplingParams(structured_outputs={"json": {}})
@@ -180,6 +191,44 @@ def test_backend_caches_compiled_constraints(backend):
     b = backend.compile(StructuredOutputsParams(json='{"type": "object"}'))
     assert a is b
     assert backend.compile(StructuredOutputsParams(regex="a+")) is not a
+
+
+def allowed_after(backend, params: StructuredOutputsParams, tokens: list[int]) -> set[int]:
+    """The tokens the compiled constraint allows after ``tokens``, read bit by bit from the
+    matcher's packed mask (not through ``apply_token_bitmask``: an assignment)."""
+    state = backend.new_state(params)
+    for token in tokens:
+        state.accept(token)
+    bitmask = torch.zeros(1, bitmask_words(49152), dtype=torch.int32)
+    state.fill(bitmask, 0)
+    words = bitmask[0].tolist()
+    return {t for t in range(49152) if (words[t // 32] >> (t % 32)) & 1}
+
+
+@pytest.mark.parametrize("kind", ["json", "json_object"])
+def test_json_grammar_rejects_whitespace_by_default_and_allows_it_with_the_switch(
+        backend, smollm2_dir, kind):
+    from nanovllm.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(smollm2_dir))
+    constraint = ({"json": {"type": "object", "properties": {"a": {"type": "integer"}},
+                            "required": ["a"]}} if kind == "json" else {"json_object": True})
+    spaces = [tok.encode(w, add_special_tokens=False) for w in ("\n", " ", "\t", "\n\n")]
+    assert all(len(ids) == 1 for ids in spaces), spaces  # each one token of SmolLM2's
+    spaces = {ids[0] for ids in spaces}
+    colon, space = (tok.encode(c, add_special_tokens=False)[0] for c in (":", " "))
+    for prefix in ("{", '{"a"', '{"a": 1'):  # after "{", after a key, after a value
+        ids = tok.encode(prefix, add_special_tokens=False)
+        compact = allowed_after(backend, StructuredOutputsParams(**constraint), ids)
+        spaced = allowed_after(
+            backend, StructuredOutputsParams(**constraint, disable_any_whitespace=False), ids)
+        assert compact and not compact & spaces, (prefix, compact & spaces)
+        assert spaces <= spaced, (prefix, spaces - spaced)
+        assert compact < spaced  # the switch only adds: every compact output stays valid
+    # the compact layout is json.dumps's: ": " after a key, so a bare ":" token first
+    after_key = allowed_after(backend, StructuredOutputsParams(**constraint),
+                              tok.encode('{"a"', add_special_tokens=False))
+    assert colon in after_key and space not in after_key
 
 
 def test_grammar_state_accepts_rejects_rolls_back_and_terminates(backend, smollm2_dir):

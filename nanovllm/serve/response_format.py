@@ -3,7 +3,8 @@
 Two ways to ask, both parsed as strictly as the rest of a request (``protocol.py``): OpenAI's
 ``response_format`` (``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``
 or ``{"type": "json_object"}``) and vLLM's extra-body ``structured_outputs`` (``json``,
-``regex``, ``choice``, ``grammar``, ``json_object``). ``constraint`` turns either into the
+``regex``, ``choice``, ``grammar``, ``json_object``, and ``disable_any_whitespace``: JSON is
+compact unless it is ``false``). ``constraint`` turns either into the
 engine's ``StructuredOutputsParams``; a constraint that does not compile is a 400 when the
 engine takes the request.
 """
@@ -44,7 +45,7 @@ class StructuredOutputsFields(_Strict):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
-    disable_any_whitespace: bool = False
+    disable_any_whitespace: bool | None = None  # None: the engine's default (compact JSON)
 
 
 def constraint(fmt: ResponseFormat | None, extra: StructuredOutputsFields | None
@@ -56,9 +57,11 @@ def constraint(fmt: ResponseFormat | None, extra: StructuredOutputsFields | None
     if fmt is not None and extra is not None:
         raise ValueError("give either response_format or structured_outputs, not both")
     if extra is not None:
+        layout = ({} if extra.disable_any_whitespace is None
+                  else {"disable_any_whitespace": extra.disable_any_whitespace})
         return StructuredOutputsParams(
             json=extra.json_, regex=extra.regex, choice=extra.choice, grammar=extra.grammar,
-            json_object=extra.json_object, disable_any_whitespace=extra.disable_any_whitespace)
+            json_object=extra.json_object, **layout)
     if fmt is None:
         return None
     if fmt.type == "json_object":

@@ -69,6 +69,8 @@ class GrammarBackend:
         return compiled
 
     def _compile(self, params: StructuredOutputsParams) -> Any:
+        # JSON is compact (json.dumps's layout) unless the request sets
+        # disable_any_whitespace=False; regexes, choices and grammars say their own whitespace
         compiler, any_whitespace = self.compiler, not params.disable_any_whitespace
         if params.json is not None:
             return compiler.compile_json_schema(json.dumps(params.json),

@@ -24,8 +24,13 @@ class StructuredOutputsParams:
     ``json``: a JSON schema, as a dict or a JSON string; ``regex``: a pattern the whole output
     matches; ``choice``: a non-empty list of strings, the output is one of them; ``grammar``: an
     EBNF grammar (xgrammar's dialect, ``root ::= ...``); ``json_object``: any JSON object.
-    ``disable_any_whitespace``: JSON on one line, ``{"a": 1, "b": 2}`` (xgrammar's layout,
-    and a small model cannot wander off into blank lines).
+
+    ``disable_any_whitespace`` (vLLM's name; it shapes ``json`` and ``json_object`` only):
+    ``True``, the default here, makes JSON compact: one line, laid out as ``json.dumps`` lays
+    it out, ``{"a": 1, "b": [2, 3]}``, no other whitespace (xgrammar's ``any_whitespace=False``).
+    ``False`` allows any whitespace between the JSON's elements: still valid JSON, but a
+    small model may wander into newlines until ``max_tokens`` runs out (chapter 15 §7).
+    vLLM's default is ``False``; ours is ``True``.
     """
 
     json: str | dict | None = None
@@ -33,7 +38,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
-    disable_any_whitespace: bool = False
+    disable_any_whitespace: bool = True
 
     def __post_init__(self) -> None:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -43,7 +48,9 @@ class StructuredOutputsParams:
         if self.json_object not in (None, True, False):
             raise ValueError(f"json_object must be a bool, got {self.json_object!r}")
         if not isinstance(self.disable_any_whitespace, bool):
-            raise ValueError("disable_any_whitespace must be a bool")
+            raise ValueError("structured_outputs.disable_any_whitespace must be a bool (True: "
+                             "compact JSON, the default; False: any whitespace), got "
+                             f"{self.disable_any_whitespace!r}")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and value):
