@@ -883,6 +883,20 @@ assert 21e9 < active < 23e9, active
 print(f"Exercise 3 passed: {total / 1e9:.1f}B total, {active / 1e9:.1f}B active")
 
 # %% [markdown]
+# ## Analysis questions
+#
+# Predict, then measure. For each question below, write a number and your reasoning in
+# `analysis/16.json` *before* measuring; then `make analysis CH=16 MEASURE=1` measures it
+# with your own code and fills in `measured`. The grader measures again on your code and
+# checks that the numbers agree (a point each, beside the assignment points); how close your
+# prediction came is not graded: it is for your writeup and the discussion.
+
+# %%
+from nanovllm.course import analysis
+
+analysis.ask("16")
+
+# %% [markdown]
 # ## Summary
 #
 # - A MoE layer holds $E$ experts and runs $k$ per token: parameters grow with $E$, FLOPs per

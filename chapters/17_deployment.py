@@ -840,6 +840,20 @@ print("Exercise 2 passed: fleet_bounds turns a measured bracket into a range of 
 # slack do instead? What happens to every tenant's placement when `n` changes by one?
 
 # %% [markdown]
+# ## Analysis questions
+#
+# Predict, then measure. For each question below, write a number and your reasoning in
+# `analysis/17.json` *before* measuring; then `make analysis CH=17 MEASURE=1` measures it
+# with your own code and fills in `measured`. The grader measures again on your code and
+# checks that the numbers agree (a point each, beside the assignment points); how close your
+# prediction came is not graded: it is for your writeup and the discussion.
+
+# %%
+from nanovllm.course import analysis
+
+analysis.ask("17")
+
+# %% [markdown]
 # ## Summary
 #
 # - A **replica** is a whole server with its own caches; a tensor-parallel group is one

@@ -20,7 +20,7 @@ from nanovllm.course.sandbox import Sandbox
 
 QUESTIONS = analysis.all_questions()
 REPO = Path(__file__).resolve().parents[1]
-CHAPTERS = [f"{c:02d}" for c in range(1, 14)]
+CHAPTERS = [f"{c:02d}" for c in range(1, 18)]
 NUMBER = re.compile(r"\d+(?:\.\d+)?")
 
 

@@ -12,7 +12,8 @@
   text, so that no edition and no book ships them;
 * :mod:`nanovllm.course.analysis` asks each chapter's predict-then-measure questions, measures
   them with the student's code and scores them beside the points (the questions:
-  :mod:`~nanovllm.course.analysis_questions`, :mod:`~nanovllm.course.analysis_questions_late`);
+  :mod:`~nanovllm.course.analysis_questions`, :mod:`~nanovllm.course.analysis_questions_late`,
+  :mod:`~nanovllm.course.analysis_questions_advanced`);
 * :mod:`nanovllm.course.audit` checks that graded tests carry every id they reach;
 * :mod:`nanovllm.course.exercises` pairs the chapters' notebook exercises with their checks and
   their instructor-only solutions.

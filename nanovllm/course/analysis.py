@@ -35,8 +35,11 @@ STUB = re.compile(r"assignment (\d\d\.\w+)")
 
 
 def all_questions() -> dict:
-    """Every question, by id, in chapter order (both halves of the registry loaded)."""
-    from nanovllm.course import analysis_questions_late  # noqa: F401  (registers 07-13)
+    """Every question, by id, in chapter order (every module of the registry loaded)."""
+    from nanovllm.course import (
+        analysis_questions_advanced,  # noqa: F401  (registers 14-17, after 07-13)
+        analysis_questions_late,  # noqa: F401  (registers 07-13)
+    )
     from nanovllm.course.analysis_questions import QUESTIONS
 
     return QUESTIONS
