@@ -628,6 +628,20 @@ for allowed, v in [({0, 31, 32, 63}, 64), ({5, 69}, 70), (set(), 10), (set(range
 print("Exercise 2 passed")
 
 # %% [markdown]
+# ## Analysis questions
+#
+# Predict, then measure. For each question below, write a number and your reasoning in
+# `analysis/15.json` *before* measuring; then `make analysis CH=15 MEASURE=1` measures it
+# with your own code and fills in `measured`. The grader measures again on your code and
+# checks that the numbers agree (a point each, beside the assignment points); how close your
+# prediction came is not graded: it is for your writeup and the discussion.
+
+# %%
+from nanovllm.course import analysis
+
+analysis.ask("15")
+
+# %% [markdown]
 # ## Summary
 #
 # - Prompting for JSON is a request, not a contract; a **token mask** before sampling makes the
