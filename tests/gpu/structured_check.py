@@ -64,8 +64,8 @@ def main(out: Path, tokenizer_dir: Path) -> int:
         params = [p for _, p in constrained] + [plain] * len(plain_prompts)
         outs = llm.generate(prompts, params, use_tqdm=False)
         failures, samples = [], []
-        for (kind, _), out in zip(constrained, outs):
-            for sample in out.outputs:
+        for (kind, _), request in zip(constrained, outs):
+            for sample in request.outputs:
                 text = sample.text
                 samples.append({"constraint": kind if isinstance(kind, str) else "json",
                                 "text": text, "finish_reason": sample.finish_reason})
