@@ -1,14 +1,15 @@
 """Structured output on a GPU (chapter 15): the Qwen3-0.6B shape with dummy weights and
-SmolLM2's tokenizer, bf16, CUDA graphs and async scheduling on. Constrained requests (JSON
+SmolLM2's tokenizer, float32 (DTYPE=bfloat16 for bf16), CUDA graphs and async scheduling on. Constrained requests (JSON
 schemas, a regex, a choice; greedy and sampled hot, n = 2) share batches with unconstrained
 ones: every constrained output must parse and match, and the unconstrained ones must get the
 tokens they get alone. Writes a JSON summary to argv[1]; exits non-zero on a failure.
-Usage: python tests/gpu/structured_check.py OUT.json TOKENIZER_DIR
+Usage: [DTYPE=float32] python tests/gpu/structured_check.py OUT.json TOKENIZER_DIR
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import tempfile
@@ -44,7 +45,10 @@ def main(out: Path, tokenizer_dir: Path) -> int:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         folder = model_folder("qwen3-0.6b", tokenizer_dir, Path(tmp))
-        llm = LLM(str(folder), load_format="dummy", max_model_len=512)
+        # float32 by default: in bf16 another batch composition rounds differently, and with random
+        # weights near-tied greedy tokens flip (figures/data/structured_check_h100.json shows both)
+        dtype = os.environ.get("DTYPE", "float32")
+        llm = LLM(str(folder), load_format="dummy", max_model_len=512, dtype=dtype)
         plain_prompts = [[(7 * i + j) % 10000 for j in range(20 + 9 * i)] for i in range(6)]
         plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
         alone = llm.generate(plain_prompts, plain, use_tqdm=False)
@@ -84,7 +88,8 @@ def main(out: Path, tokenizer_dir: Path) -> int:
         for i, (mixed, a) in enumerate(zip(outs[len(constrained):], alone)):
             if mixed.outputs[0].token_ids != a.outputs[0].token_ids:
                 failures.append(f"unconstrained request {i} changed beside constrained ones")
-    result = {"check": "structured_output_gpu", "samples": samples, "failures": failures,
+    result = {"check": "structured_output_gpu", "dtype": dtype, "samples": samples,
+              "failures": failures,
               "async_scheduling": llm.config.async_scheduling,
               "seconds": time.perf_counter() - start}
     out.write_text(json.dumps(result, indent=2) + "\n")
