@@ -1,9 +1,10 @@
 """Structured output on a GPU (chapter 15): the Qwen3-0.6B shape with dummy weights and
-SmolLM2's tokenizer, float32 (DTYPE=bfloat16 for bf16), CUDA graphs and async scheduling on. Constrained requests (JSON
-schemas, a regex, a choice; greedy and sampled hot, n = 2) share batches with unconstrained
-ones: every constrained output must parse and match, and the unconstrained ones must get the
-tokens they get alone. Writes a JSON summary to argv[1]; exits non-zero on a failure.
-Usage: [DTYPE=float32] python tests/gpu/structured_check.py OUT.json TOKENIZER_DIR
+SmolLM2's tokenizer, float32 (DTYPE=bfloat16 for bf16), CUDA graphs and async scheduling on.
+Constrained requests (JSON schemas, a regex, a choice; greedy and sampled hot, n = 2) share
+batches with unconstrained ones: every constrained output must parse and match, and the
+unconstrained ones must get the tokens they get alone. Writes a JSON summary to argv[1]; exits
+non-zero on a failure.
+Usage: [DTYPE=bfloat16] python tests/gpu/structured_check.py OUT.json TOKENIZER_DIR
 """
 
 from __future__ import annotations
