@@ -155,9 +155,9 @@ print(f"decode attention, Qwen3-0.6B shape, bf16: {intensity:.0f} FLOP/byte "
       f"-> {ridge / intensity:.0f}x below the ridge")
 
 # %% [markdown]
-# Decode attention does about 2 operations per byte while the GPU could do about 183: it is
-# **memory-bound** by a factor of about 90. Its speed is the speed at which it streams the KV
-# cache, and the job of the kernel is simple to state:
+# Decode attention does two operations per byte while the GPU could do the ridge point's worth
+# (printed above): it is **memory-bound**, by the factor the cell prints. Its speed is the speed
+# at which it streams the KV cache, and the job of the kernel is simple to state:
 #
 # 1. read every byte of K and V **exactly once**, from wherever the block table put it;
 # 2. keep enough reads in flight that the memory system stays busy.
@@ -1042,8 +1042,9 @@ analysis.ask("05")
 # ## Summary
 #
 # - Decode attention does about $2H/(H_{kv}e)$ operations per byte, two for Qwen3-0.6B in
-#   bf16, about 90 times below an H200's compute/bandwidth balance: it is memory-bound, and a
-#   good kernel reads every KV byte exactly once while keeping the memory busy.
+#   bf16, far below an H200's compute/bandwidth balance (§1 prints the factor): it is
+#   memory-bound, and a good kernel reads every KV byte exactly once while keeping the memory
+#   busy.
 # - **Paged gather + online softmax**: visit the sequence's blocks in block-table order and fold
 #   each into a running `(m, ℓ, acc)`; no contiguous copy, padding entries never read.
 # - **GQA**: one program per `(sequence, KV head)` handles the whole query group as a
