@@ -4,11 +4,17 @@ jupyter-book (v1) builds from one folder, so this module copies into a staging f
 book is made of: ``book/`` (config, table of contents, landing page, notation, glossary), the
 executed notebooks ``chapters/NN_*.ipynb`` with their committed outputs (the book never runs
 them; the staged copies lose the ``# NBVAL_*`` lines that steer the notebook tests, which a
-reader has no use for), and writes into the landing page the two parts that must not be typed by
-hand: the chapter map (titles read from the notebooks) and the runtime table (read from the
-notebooks' execution metadata: nbclient records when each cell started and finished). GPU
-runtimes come from executed copies under ``figures/data/gpu_runs/NN_name.<device>.ipynb`` where
-a GPU run was recorded.
+reader has no use for, and their widget state and widget views, which would make the page load
+require.js and a widget manager from a CDN to show nothing), and writes into the landing page the
+two parts that must not be typed by hand: the chapter map (titles read from the notebooks) and
+the runtime table (read from the notebooks' execution metadata: nbclient records when each cell
+started and finished). GPU runtimes come from executed copies under
+``figures/data/gpu_runs/NN_name.<device>.ipynb`` where a GPU run was recorded.
+
+The rest is done while Sphinx builds (nanovllm/viz/book_sphinx.py, named in book/_config.yml):
+links for the chapters' cross-references and glossary terms, figure captions as alt text,
+author–year bibliography labels and a local MathJax. Each chapter's roadmap image, which has no
+caption, is given its alt text here.
 
     python -m nanovllm.viz.book --stage build/book_src --build build/book [--root .]
 
@@ -31,6 +37,7 @@ MAP_MARK = "<!-- chapter-map -->"
 # A comment line that tells nbval how to compare a cell (`# NBVAL_CHECK_OUTPUT`, ...).
 NBVAL_LINE = re.compile(r"^[ \t]*#[ \t]*NBVAL_\w+[ \t]*(?:\n|$)", re.M)
 RUNTIME_MARK = "<!-- runtime-table -->"
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
 
 @dataclass
@@ -85,6 +92,32 @@ def without_test_markers(notebook: dict) -> dict:
             source = cell["source"]
             source = "".join(source) if isinstance(source, list) else source
             cell["source"] = NBVAL_LINE.sub("", source)
+    return notebook
+
+
+def without_widgets(notebook: dict) -> dict:
+    """``notebook`` without ipywidgets state (``metadata.widgets``) and widget-view outputs (in
+    place): static HTML cannot show a widget, and with either present the page would load
+    require.js and a widget manager from a CDN."""
+    notebook.get("metadata", {}).pop("widgets", None)
+    for cell in notebook.get("cells", []):
+        if "outputs" in cell:
+            cell["outputs"] = [out for out in cell["outputs"]
+                               if WIDGET_VIEW not in out.get("data", {})]
+    return notebook
+
+
+def with_roadmap_alt(notebook: dict, number: str, title: str) -> dict:
+    """Alt text for the roadmap image of the chapter's first code cell
+    (``show_roadmap(N)``), which has no caption to take it from: cell metadata that myst-nb
+    gives the image (in place)."""
+    for cell in notebook.get("cells", []):
+        text = cell.get("source", "")
+        if cell.get("cell_type") == "code" and "show_roadmap(" in "".join(text):
+            options = cell.setdefault("metadata", {}).setdefault("mystnb", {})
+            options.setdefault("image", {}).setdefault(
+                "alt", f"Where we are: chapter {number}, {title}. The engine's components, with "
+                       "the ones this chapter builds highlighted.")
     return notebook
 
 
@@ -148,7 +181,8 @@ def stage(out: Path, root: Path) -> list[ChapterInfo]:
     shutil.copytree(root / "book", out)
     (out / "chapters").mkdir()
     for path in chapter_notebooks(root / "chapters"):
-        notebook = without_test_markers(json.loads(path.read_text()))
+        notebook = without_widgets(without_test_markers(json.loads(path.read_text())))
+        with_roadmap_alt(notebook, path.stem[:2], notebook_title(notebook))
         (out / "chapters" / path.name).write_text(json.dumps(notebook, indent=1,
                                                              ensure_ascii=False) + "\n")
     infos = chapter_info(root / "chapters", root / "figures" / "data" / "gpu_runs")
