@@ -32,10 +32,12 @@
 # 4. a **router** in front of the replicas that sends a request to the replica whose prefix
 #    cache (chapter 04) probably holds its prompt's start, built small and then measured
 #    against round-robin, which beats it at 2 replicas on the CPU record (prefix-aware's mean
-#    time to first token is 1.40× round-robin's there; section 5);
+#    time to first token is 1.40× round-robin's there) and, narrowly, on an H100 with whole
+#    caches, while prefix-aware wins on the H100 with the caches cut (section 5);
 # 5. **capacity planning**: how many replicas a day of traffic needs under a latency SLO,
-#    from an H200 record that brackets one replica's rate at the SLO without measuring it,
-#    and what the autoscaler of `hpa.yaml` does over that day (a simulation, labelled as one).
+#    from an H200 record that brackets one replica's rate at the SLO without measuring it
+#    (an H100 sweep of today's server brackets it too, on another device), and what the
+#    autoscaler of `hpa.yaml` does over that day (a simulation, labelled as one).
 #
 # Package modules taught here: `nanovllm/deploy/Dockerfile` and `nanovllm/deploy/k8s/*.yaml`
 # (read by `nanovllm/deploy/manifests.py`), `nanovllm/engine/ray_executor.py`,
@@ -65,6 +67,7 @@ show_roadmap(17)
 import dataclasses
 import json
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -472,7 +475,8 @@ def routing_table(record: dict) -> None:
     for r in record["results"]:
         computed = r["prompt_tokens"] - r["cached_prompt_tokens"]
         print(f"{r['num_replicas']:>8d} {r['router']:13s} {r['prefix_hit_rate']:>8.2f} "
-              f"{computed:>14,d} {r['ttft_mean_s']:>8.2f}s {r['output_tokens_per_s']:>9.1f}  "
+              f"{computed:>14,d} {r['ttft_mean_s'] * 1e3:>6.1f} ms "
+              f"{r['output_tokens_per_s']:>9.1f}  "
               f"{r['requests_per_replica']}")
 
 
@@ -519,22 +523,47 @@ cpu_ttft_ratio = routing_ratios(routing_cpu)
 # evicts them. The prefix-aware router keeps each tenant on few replicas, so its hit rate
 # holds, and the prefill it saves grows with the fleet.
 #
-# On the H200, `tests/gpu/deploy_h200.sh` runs two replicas of the Qwen3-0.6B shape sharing
-# one GPU with full-length prompts (2,048-token system prompts), once with the replicas'
-# whole KV caches and once with caches too small for every prefix. The cell below prints its
-# records where they are committed and says so where they are not; this section describes
-# no H200 result.
+# ### Recorded on a GPU: 2 replicas, whole and cut caches
+#
+# On a GPU, `tests/gpu/deploy_h200.sh` runs two replicas of the Qwen3-0.6B shape (random
+# weights) sharing one GPU, with full-length prompts (2,048-token system prompts, 16 tenants
+# of 8 requests), once with the replicas' whole KV caches and once with each cache cut to
+# 1,536 blocks, too small for every prefix. Its records were taken on an H100, the machine
+# that was lent (each record's `device` and `note` say so; the script's name says H200):
+# `figures/data/routing_h100.json` and `figures/data/routing_h100_small_cache.json`. Times
+# are wall-clock, each replica on its own clock of measured step times.
 
 # %%
 # NBVAL_CHECK_OUTPUT
-for name in ("routing_h200.json", "routing_h200_small_cache.json"):
-    if (DATA / name).exists():
-        record = json.loads((DATA / name).read_text())
-        print(f"{name}: {record['command']}")
-        routing_table(record)
-        routing_ratios(record)
-    else:
-        print(f"{name}: no H200 record yet (OUT=dir bash tests/gpu/deploy_h200.sh makes it)")
+def gpu_name(device: str) -> str:
+    """The GPU a record's ``device`` names ("NVIDIA H100 80GB HBM3" -> "H100")."""
+    return re.search(r"H\d00", device).group(0)
+
+
+routing_gpu = {}
+for cache, name in (("whole caches", "routing_h100.json"),
+                    ("cut caches", "routing_h100_small_cache.json")):
+    record = json.loads((DATA / name).read_text())
+    routing_gpu[cache] = record
+    print(f"{name} ({cache}, {record['kv_blocks_per_replica']:,d} blocks per replica, "
+          f"{gpu_name(record['device'])}): {record['command']}")
+    routing_table(record)
+    routing_ratios(record)
+    print()
+
+# %% [markdown]
+# **With whole caches prefix-aware routing loses narrowly on the H100**: its mean time to
+# first token is 1.01× round-robin's and its 90th percentile 1.13×, although it found more
+# of the prompts in cache and computed 0.81× the prefill tokens; its throughput is the same
+# (1.00×). **With the caches cut it wins**: mean TTFT 0.71× round-robin's, 90th percentile
+# 0.72×, with 0.40× the prefill tokens computed, because round-robin's replicas, each asked
+# for every tenant's system prompt, evict them from caches too small to hold them all, while
+# prefix-aware keeps each tenant where its prefix is. Throughput barely moves in either
+# (1.01× with the cut caches): the requests arrive at a fixed rate and the run lasts about as
+# long as their arrival, so the router changes when a request's first token comes, not how
+# many tokens a second the fleet can make. These are single runs on one device, two
+# replicas sharing one GPU; the whole-cache difference is small enough that another run
+# could reverse it.
 
 # %%
 def routing_figure(record: dict):
@@ -571,12 +600,13 @@ figure(fig, "17_routing_cpu",
 # ## 6. Capacity planning: how many replicas for a day?
 #
 # The planner's question is at what rate one replica still meets the SLO; the SLO below
-# bounds the 90th percentiles of time to first token and time per output token. **No record
-# measures that rate yet.** Chapter 10's H200 record (`figures/data/serve_h200.json`: one
-# replica of the Qwen3-0.6B shape, 128 prompt and 64 output tokens) met the SLO at one of its
-# rates and missed it at the next (printed below); the rate at the SLO lies between the two,
-# unmeasured. The record was also taken before the server ran its engine core in a process
-# of its own (issue 31, now the default), so today's server may answer differently.
+# bounds the 90th percentiles of time to first token and time per output token. **Two records
+# bracket that rate, on two devices; neither measures it.** Chapter 10's H200 record
+# (`figures/data/serve_h200.json`: one replica of the Qwen3-0.6B shape, 128 prompt and 64
+# output tokens) met the SLO at one of its rates and missed it at the next (printed below);
+# the rate at the SLO lies between the two, unmeasured. The record was also taken before the
+# server ran its engine core in a process of its own (issue 31, now the default), so today's
+# server may answer differently; the H100 sweep after the next cell is of today's server.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -620,7 +650,67 @@ print(f"estimate, linear between the measured points: {per_replica:.1f} req/s pe
 # asks what the measured bracket alone allows). The estimate's count of requests in flight
 # is what the autoscaler's `nanovllm_num_requests_running` target should be: `hpa.yaml`'s sits
 # just under it (a test keeps the two together).
+
+# %% [markdown]
+# ### Today's server, on an H100
 #
+# `tests/gpu/capacity_h200.sh` swept one replica of today's `nanovllm serve` (the engine core
+# in its own process; the same shape, prompt and output lengths) at higher rates, then sent
+# all its requests at once. The lent machine was an H100, so the record is
+# `figures/data/capacity_h100.json`; its `note` says what it holds and what it leaves out.
+# The same SLO, each run 256 requests:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+sweep_record = json.loads((DATA / "capacity_h100.json").read_text())
+sweep_gpu = gpu_name(sweep_record["device"])
+print(f"record: capacity_h100.json, {sweep_record['device']}, {sweep_record['date'][:10]}, "
+      f"{sweep_record['config']['num_requests']} requests per rate")
+print(f"{'offered':>9s} {'completed':>10s} {'run':>6s} {'TTFT p90':>9s} {'TPOT p90':>9s}")
+sweep_verdicts = []
+for r in sweep_record["runs"]:
+    ttft, tpot = r["ttft"]["p90"], r["tpot"]["p90"]
+    ok = meets_slo(ttft, tpot)
+    sweep_verdicts.append((r["rate"], ok))
+    offered = "burst" if r["rate"] == "inf" else f"{r['rate']:g}/s"
+    print(f"{offered:>9s} {r['request_throughput_rps']:8.1f}/s {r['duration_s']:5.1f}s "
+          f"{ttft * 1e3:6.1f} ms {tpot * 1e3:6.1f} ms  {'meets' if ok else 'misses'} the SLO")
+finite = [(rate, ok) for rate, ok in sweep_verdicts if rate != "inf"]
+burst = next(r for r in sweep_record["runs"] if r["rate"] == "inf")
+sweep_met = max(rate for rate, ok in finite if ok)
+print(f"on the {sweep_gpu}: every finite rate met the SLO: {all(ok for _, ok in finite)}; the "
+      f"highest, {sweep_met:g} req/s, met it; the burst (all at once) missed it, its TTFT p90 "
+      f"{burst['ttft']['p90'] / SLO[0]:.2f}x the SLO's")
+above = [rate for rate, _ in finite if rate > burst["request_throughput_rps"]]
+print(f"offered rates above the burst's completed rate ({burst['request_throughput_rps']:.1f} "
+      f"req/s): {', '.join(f'{rate:g}' for rate in above) or 'none'}")
+for rate in sorted(set(curve.rates) & {rate for rate, _ in finite}):
+    h200 = curve.at(rate)
+    h100 = next((r["ttft"]["p90"], r["tpot"]["p90"]) for r in sweep_record["runs"]
+                if r["rate"] == rate)
+    print(f"at {rate:g} req/s, both records: H200 (older server) TTFT p90 "
+          f"{h200[0] * 1e3:.1f} ms, {'meets' if meets_slo(*h200) else 'misses'}; "
+          f"{sweep_gpu} (today's server) "
+          f"{h100[0] * 1e3:.1f} ms, {'meets' if meets_slo(*h100) else 'misses'}")
+
+# %% [markdown]
+# **On the H100, one replica of today's server met the SLO at every finite rate of the sweep,
+# up to the highest, and missed it in the burst**, whose TTFT p90 was 2.43× the SLO's. Its
+# rate at the SLO is therefore bracketed, not measured: at least the highest swept rate and
+# below all-at-once, on an H100, in runs of 256 requests. Those runs are short, a few seconds
+# each (the run column), and the bracket's lower end is weaker than it looks: the highest
+# offered rates are above the rate at which the replica completed the burst's requests (the
+# cell's line that lists them), the most it completed in any run, so it likely could not sustain
+# them for long, and a run of a few seconds ends before its queue has grown past the SLO. A
+# longer sweep could place the crossing lower.
+#
+# The two records disagree at the rate they share: the H200 record missed the SLO there, the
+# H100 sweep met it. Device and server both changed between them, so neither record can say
+# which change did it. The plan below keeps the H200 curve: the H100 sweep is a different
+# device, and it has no finite rate that missed the SLO, so no straight line between its
+# points crosses it. Both devices' sweeps are short, 256 requests per rate each.
+
+# %% [markdown]
 # Now a day of traffic: a smooth daily cycle from a trough at 04:00 to a peak at 16:00, with
 # noise. The planner's answer at each minute is `ceil(rate / per-replica rate)`. The
 # autoscaler's answer comes from a **simulation** of Kubernetes' rule over a fluid queue, the
@@ -716,10 +806,10 @@ print(f"the queue alone misses the SLO {queue_only / both:.1f}× as often as bot
 # %% [markdown]
 # ## 7. The deployment table
 #
-# Every row says how its number was obtained: **measured** (run here, or on the H200 with the
-# command in its record), **bounded** (checked against a specification, not run),
-# **estimated** (a straight line between measured points), **simulated** (arithmetic on an
-# estimate), or **not measured yet**.
+# Every row says how its number was obtained: **measured** (run here, or on the GPU its record
+# names, H200 or H100, with the command in its record), **bounded** (checked against a
+# specification, not run), **estimated** (a straight line between measured points), or
+# **simulated** (arithmetic on an estimate).
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -731,18 +821,17 @@ def routing_row(record: dict, n: int) -> str:
             f"mean TTFT {ratio:.2f}× round-robin's ({'loses' if ratio > 1 else 'wins'})")
 
 
-if (DATA / "routing_h200.json").exists():
-    routing_h200_row = ("measured (H200)",
-                        routing_row(json.loads((DATA / "routing_h200.json").read_text()), 2))
-else:
-    routing_h200_row = ("not measured yet", "no H200 record (tests/gpu/deploy_h200.sh)")
-if (DATA / "capacity_h200.json").exists():  # a rate sweep on today's server
-    sweep = capacity.LatencyCurve.from_record(DATA / "capacity_h200.json")
-    capacity_row = ("measured (H200)", "between {:g} and {:g} req/s (capacity_h200.json)"
-                    .format(*slo_bracket(sweep)))
-else:
-    capacity_row = ("not measured yet", f"serve_h200.json: met at {met_rps:g} req/s, missed at "
-                    f"{missed_rps:g} req/s (older server)")
+routing_gpu_rows = [(f"routing, 2 replicas, {gpu_name(record['device'])}, {cache}",
+                     f"measured ({gpu_name(record['device'])})", routing_row(record, 2))
+                    for cache, record in routing_gpu.items()]
+sweep_finite = ", ".join(f"{rate:g}" for rate, _ in finite)
+capacity_rows = [
+    (f"one replica at the SLO, {sweep_gpu}", f"measured ({sweep_gpu})",
+     f"met at every rate swept ({sweep_finite} req/s), missed in the burst; a bracket, short "
+     "runs (capacity_h100.json)"),
+    ("one replica at the SLO, H200", "measured (H200)",
+     f"met at {met_rps:g} req/s, missed at {missed_rps:g} req/s; older server (serve_h200.json)"),
+]
 day = simulations["queue and running (hpa.yaml)"]
 rows = [
     ("container image", "bounded", "hadolint clean; command parsed by the server's CLI; not built"),
@@ -753,8 +842,8 @@ rows = [
     ("Ray Serve replicas", "measured (CPU)", "2 replicas = LLM.generate tokens (tests)"),
     ("cache-aware routing, 2 replicas", "measured (CPU)", routing_row(routing_cpu, 2)),
     ("cache-aware routing, 4 replicas", "measured (CPU)", routing_row(routing_cpu, 4)),
-    ("cache-aware routing, H200", *routing_h200_row),
-    ("one replica at the SLO", *capacity_row),
+    *routing_gpu_rows,
+    *capacity_rows,
     ("the rate section 6 plans with", "estimated",
      f"{per_replica:.0f} req/s, linear between {met_rps:g} and {missed_rps:g}"),
     ("replicas for the day", "estimated", f"planner: peak {max(planned)}, "
@@ -763,18 +852,21 @@ rows = [
      f"{missed_share['queue and running (hpa.yaml)']:.1%} of the day, peak "
      f"{max(day['replicas'])} replicas"),
 ]
+width = max(len(what) for what, _, _ in rows)
 for what, how, value in rows:
-    print(f"{what:32s} {how:17s} {value}")
+    print(f"{what:{width}s} {how:17s} {value}")
 
 # %% [markdown]
-# Two rows say **not measured yet**. One replica's rate at the SLO is bracketed, not
-# measured: the H200 record met the SLO at one of its rates and missed it at the next, and it
-# was taken before the engine core ran in a process of its own; a rate sweep on today's
-# server, fine enough near the SLO, would measure it (the cell above prints such a record
-# where one is committed). Until then section 6's per-replica rate is an estimate, and so is
-# everything built on it: the planner's replicas, the autoscaler's running target and the
-# simulated day. The H200 routing row waits for `tests/gpu/deploy_h200.sh`'s record; the CPU
-# rows are the only measurement of the router, and at 2 replicas it loses.
+# One replica's rate at the SLO is bracketed on two devices and measured on neither: the
+# H200 record met the SLO at one of its rates and missed it at the next, on the server before
+# the engine core ran in a process of its own; the H100 sweep of today's server met it at
+# every rate it swept and missed it only in the burst, in runs of 256 requests, too short to
+# trust its highest rates. A longer sweep on one device, fine enough near the crossing, would
+# measure it. Until then section 6's per-replica rate is an estimate on the H200 record, and
+# so is everything built on it: the planner's replicas, the autoscaler's running target and
+# the simulated day. The router is measured on the CPU and on an H100: it loses at 2 replicas
+# on the CPU and, narrowly, on the H100 with whole caches; it wins at 4 replicas on the CPU
+# and at 2 on the H100 with cut caches.
 
 # %% [markdown]
 # ## Assignments
@@ -876,12 +968,16 @@ analysis.ask("17")
 #   On the CPU record it loses at 2 replicas: its mean TTFT is 1.40× round-robin's, with
 #   requests split 20 to 12 between the replicas; at 4 it wins (0.59×), still split unevenly
 #   (12, 12, 4, 4). It keeps each tenant's prefix on few replicas, which holds the hit rate as
-#   replicas are added; the slack bounds requests in flight at each choice, not balance. The
-#   H200 run (`tests/gpu/deploy_h200.sh`) is read in section 5 where its record is committed.
-# - **Capacity planning** needs one replica's rate at the SLO, which no record measures yet:
-#   the H200 record (taken before the engine-core process) brackets it between a rate that
-#   met the SLO and one that missed it, and the planner uses a straight line between them, an
-#   estimate. Simulated with `hpa.yaml` as written, the autoscaler's `maxReplicas` is below
+#   replicas are added; the slack bounds requests in flight at each choice, not balance. On
+#   an H100 (2 replicas sharing the GPU, Qwen3-0.6B shape, 2,048-token system prompts) it
+#   loses narrowly with whole caches (mean TTFT 1.01× round-robin's) and wins with cut
+#   caches (0.71×), where round-robin's replicas evict the tenants' prefixes.
+# - **Capacity planning** needs one replica's rate at the SLO, which no record measures: the
+#   H200 record (taken before the engine-core process) brackets it between a rate that met the
+#   SLO and one that missed it, and the planner uses a straight line between them, an
+#   estimate. An H100 sweep of today's server met the SLO at every rate it swept and missed
+#   it in the burst: another bracket, on another device, from runs too short to trust its
+#   highest rates. Simulated with `hpa.yaml` as written, the autoscaler's `maxReplicas` is below
 #   the planner's peak, so the SLO is missed where the cap binds; the queue alone also scales
 #   down too eagerly and misses it more often, while the running count (Little's law on the
 #   same estimate) holds the fleet near the planner's size below the cap.

@@ -345,8 +345,8 @@ def test_a_reference_to_nothing_is_a_build_warning(tmp_path: Path) -> None:
     (root / "chapters" / "00_first.ipynb").write_text(notebook([
         md("# Chapter 00 — First\n\nText."), md("## 1. One\n\nMore text."), figure]))
     (root / "chapters" / "42_answer.ipynb").write_text(notebook([md(
-        "# Chapter 42 — Answer\n\n## 1. Refs\n\nSee chapter 00 §1, Figure 0.1 and §1; "
-        "but chapter 00 §9, Figure 0.7, §5 and chapter 77 are nowhere.")]))
+        "# Chapter 42 — Answer\n\n## 1. Refs\n\nSee chapter 00 §1 and Figure 0.1 and §1; "
+        "but chapter 00 §9 and Figure 0.7 and §5 and chapter 77 are nowhere.")]))
     site, log = build_with_log(root, tmp_path / "out")
     warned = "\n".join(sphinx_warnings(log))
     for missing in ("'chapter 00 §9'", "'Figure 0.7'", "'§5'", "'chapter 77'"):
