@@ -524,7 +524,7 @@ figure(fig, "14_speculative_decoding_smollm2_acceptance",
 # An untrained early exit is a weak draft: even 28 of 30 layers agree with the full model on
 # only part of the tokens, and a draft that deep saves little per proposal. This is why
 # production systems use drafts trained for the job (a small model of the same family, EAGLE
-# or Medusa heads, LayerSkip training). The mechanism, and its exactness, are what this
+# {cite}`li2024eagle` or Medusa heads {cite}`cai2024medusa`, LayerSkip training). The mechanism, and its exactness, are what this
 # chapter builds; the package takes `{"method": "draft_layers", "num_layers": n}` for any
 # model it loads, and a trained early-exit model would plug in unchanged.
 

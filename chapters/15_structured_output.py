@@ -53,8 +53,8 @@ show_roadmap(15)
 # **Builds on:** the sampler and logits processors of chapter 01 (a mask is one more logits
 # processor), the scheduler's single update path of chapter 06 and async scheduling of
 # chapter 11, the server of chapter 10. The method follows Willard and Louf's finite-state
-# guided generation (Outlines) and xgrammar's pushdown automata with precomputed
-# context-independent tokens (Dong et al., 2024).
+# guided generation (Outlines) {cite}`willard2023outlines` and xgrammar's pushdown automata with
+# precomputed context-independent tokens {cite}`dong2024xgrammar`.
 
 # %% [markdown]
 # ## Setup

@@ -17,7 +17,9 @@
 # # Chapter 16 — Mixture of experts
 #
 # The open models people serve today are mostly **mixtures of experts** (MoE): Qwen3-30B-A3B,
-# Qwen3-235B-A22B, Mixtral, DeepSeek, gpt-oss. In each layer the dense MLP is replaced by
+# Qwen3-235B-A22B {cite}`qwen2025qwen3`, Mixtral {cite}`jiang2024mixtral`, DeepSeek, gpt-oss;
+# the Switch Transformer {cite}`fedus2022switch` had shown that routing each token to a single
+# expert trains stably at a trillion parameters. In each layer the dense MLP is replaced by
 # $E$ smaller MLPs, the *experts*, and a *router* that sends every token to only $k$ of them.
 # The model holds the parameters of all $E$ experts but computes with $k$: Qwen3-30B-A3B has
 # 30B parameters and spends the FLOPs of about 3B per token.

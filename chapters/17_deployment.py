@@ -52,8 +52,11 @@
 # validated against Kubernetes' published schemas (`kubernetes-validate`); both in CI
 # (`tests/test_deploy_manifests.py`). Section 7's table says, row by row, what was measured.
 #
-# The chapter runs in about a minute on a 2-core CPU (a tiny random model for the live
-# routing run; the rest is records and arithmetic).
+# The SLO and its goodput (requests per second that meet it) are DistServe's
+# {cite}`zhong2024distserve`, which, like Splitwise {cite}`patel2024splitwise`, goes further
+# than this chapter: it runs prefill and decode on separate GPUs. The chapter runs in about a
+# minute on a 2-core CPU (a tiny random model for the live routing run; the rest is records
+# and arithmetic).
 
 # %%
 from nanovllm.viz.diagrams import show_roadmap
