@@ -44,9 +44,9 @@
 # `nanovllm/benchmarks/quant_eval.py` (the accuracy table). `EngineConfig` switches them on with
 # vLLM's names: `quantization=None | "int8" | "fp8"` and `kv_cache_dtype="auto" | "fp8"`.
 #
-# On a 2-core CPU the whole chapter runs in about two minutes: the accuracy table (section 8)
-# is sized for that (four short texts, eight generated tokens each), and the Triton kernel runs
-# on small shapes.
+# On a 2-core CPU the whole chapter runs (its time: the book's runtime table): the accuracy
+# table (section 8) is sized for that (four short texts, eight generated tokens each), and the
+# Triton kernel runs on small shapes.
 
 # %%
 from nanovllm.viz.diagrams import show_roadmap

@@ -41,8 +41,8 @@
 # queue that carries it), and `nanovllm/benchmarks/tensor_parallel.py` and
 # `nanovllm/benchmarks/control_plane.py` (the measurements). `EngineConfig` switches it on with vLLM's name: `tensor_parallel_size=N`.
 #
-# On a 2-core CPU the chapter runs in about two minutes; the GPU numbers come from a record
-# (section 7).
+# On a 2-core CPU the chapter runs (its time: the book's runtime table); the GPU numbers come
+# from a record (section 7).
 
 # %%
 from nanovllm.viz.diagrams import show_roadmap

@@ -43,7 +43,7 @@
 # window (`nanovllm/engine/sliding_window.py`), and `nanovllm/benchmarks/long_context.py`
 # (perplexity by position).
 #
-# The chapter runs in about a minute on a 2-core CPU: tiny random models for the parity
+# The chapter runs on a 2-core CPU (its time: the book's runtime table): tiny random models for the parity
 # checks, and the long-text perplexity from a record made with the package's own command
 # (scoring 15,360 tokens takes minutes per variant on such a CPU, seconds on an H200).
 

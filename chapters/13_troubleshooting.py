@@ -42,7 +42,8 @@
 # `max_model_len` guard), and the records in `figures/data/`. The GPU memory record is made by
 # `tests/gpu/troubleshooting_h200.py` (stage `troubleshooting` of `tests/gpu/h200_session.sh`).
 #
-# Everything here runs on a 2-core CPU in about two minutes, on SmolLM2-135M in fp32.
+# Everything here runs on a 2-core CPU (its time: the book's runtime table), on SmolLM2-135M
+# in fp32.
 
 # %%
 from nanovllm.viz.diagrams import show_roadmap

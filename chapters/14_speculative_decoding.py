@@ -42,7 +42,7 @@
 # and the rollback; `speculator.py`: one speculative step), the one update path
 # (`Scheduler.update_from_output`), and `nanovllm/benchmarks/spec_decode.py`.
 #
-# The chapter runs in about two minutes on a 2-core CPU: tiny random models for the exactness
+# The chapter runs on a 2-core CPU (its time: the book's runtime table): tiny random models for the exactness
 # checks, SmolLM2-135M for acceptance on real text.
 
 # %%

@@ -42,7 +42,7 @@
 # `response_format` in `nanovllm/serve/response_format.py`, and
 # `nanovllm/benchmarks/structured_output.py`.
 #
-# The chapter runs in about two minutes on a 2-core CPU (SmolLM2-135M).
+# The chapter runs on a 2-core CPU (SmolLM2-135M; its time: the book's runtime table).
 
 # %%
 from nanovllm.viz.diagrams import show_roadmap

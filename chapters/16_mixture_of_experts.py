@@ -45,7 +45,7 @@
 # `nanovllm/models/qwen3_moe.py`, `nanovllm/models/mixtral.py`,
 # `nanovllm/models/moe_config.py` and `nanovllm/benchmarks/moe.py`.
 #
-# The chapter runs in about two minutes on a 2-core CPU: tiny random models, the Triton
+# The chapter runs on a 2-core CPU (its time: the book's runtime table): tiny random models, the Triton
 # kernel under its interpreter, and the H200 measurement of one layer from a record made with
 # the package's own command (`tests/gpu/moe_h200.sh`).
 

@@ -54,9 +54,9 @@
 #
 # The SLO and its goodput (requests per second that meet it) are DistServe's
 # {cite}`zhong2024distserve`, which, like Splitwise {cite}`patel2024splitwise`, goes further
-# than this chapter: it runs prefill and decode on separate GPUs. The chapter runs in about a
-# minute on a 2-core CPU (a tiny random model for the live routing run; the rest is records
-# and arithmetic).
+# than this chapter: it runs prefill and decode on separate GPUs. The chapter runs on a 2-core
+# CPU (its time: the book's runtime table; a tiny random model for the live routing run, the
+# rest is records and arithmetic).
 
 # %%
 from nanovllm.viz.diagrams import show_roadmap
