@@ -760,7 +760,7 @@ if "variance_note" in bench:
 # per request, and an earlier run the same day differed widely (the record's note, printed
 # above). The one ratio above 1 in that note comes from that earlier run, before the draft
 # graphs, whose record this one replaced: the book claims no speedup from it. The benchmark
-# now keeps the fastest of three runs.
+# now keeps the fastest of three runs. Figure 14.5 draws every ratio against the batch size.
 
 # %%
 fig, ax = plt.subplots(figsize=(6.5, 3.4))
