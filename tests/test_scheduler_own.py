@@ -22,6 +22,7 @@ import random
 from types import SimpleNamespace
 
 import pytest
+from test_scheduler_steps import _reference_running, scheduled  # shared with the engine-path tests
 
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.scheduler_output import SchedulerOutput
@@ -136,10 +137,6 @@ def decode_in(batch: SchedulerOutput, seq: Sequence, n: int = 1) -> None:
     """Put ``n`` tokens of running ``seq`` in ``batch``, as the running loop would (its
     blocks are the stand-in's: no allocation needed for the test's accounting)."""
     batch.add(seq, n)
-
-
-def scheduled(batch: SchedulerOutput) -> list[tuple[int, int]]:
-    return [(s.seq_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)]
 
 
 # -- 06.admit ------------------------------------------------------------------------------
@@ -408,33 +405,6 @@ def test_preempt_own_with_nothing_ranked_below_a_sequence_preempts_itself():
     assert preempted and batch.preempted == [only] and sched.running == []
     batch, preempted = run_running(scheduler(num_blocks=2), [])
     assert not preempted and scheduled(batch) == [] and batch.preempted == []
-
-
-def _reference_running(needs, computed, held, free, budget):
-    """The running loop without the package: sequence ``i`` wants ``needs[i]`` tokens after
-    its ``computed[i]``, and holds ``held[i]`` blocks. Returns the (index, tokens) scheduled
-    and the preempted indices in order."""
-
-    def blocks_after(i, n):
-        return -(-(computed[i] + n) // BS)
-
-    queue, out, victims = list(range(len(needs))), [], []
-    while queue:
-        i = queue.pop(0)
-        n = min(needs[i], budget)
-        if n == 0:
-            continue
-        while blocks_after(i, n) - held[i] > free:
-            victim = queue.pop() if queue else i
-            victims.append(victim)
-            free += held[victim]
-            if victim == i:
-                break
-        else:
-            free -= blocks_after(i, n) - held[i]
-            out.append((i, n))
-            budget -= n
-    return out, victims
 
 
 @pytest.mark.assignment("06.preempt")
