@@ -141,22 +141,8 @@ def test_decode_attention_matches_float64(block_size):
 def test_paged_attention_over_a_packed_batch(num_decodes, new_tokens, lengths):
     """Decodes first, then whole prompts and chunks after a cached prefix, packed."""
     gen = torch.Generator().manual_seed(sum(lengths))
-    k_cache, v_cache, tables = paged_cache(lengths, 4, 3, 8, gen)
-    cu = [0]
-    for n in new_tokens:
-        cu.append(cu[-1] + n)
-    q = torch.randn(cu[-1], 9, 8, generator=gen)
-    meta = AttentionMetadata(
-        slot_mapping=torch.full((cu[-1],), -1, dtype=torch.int64),
-        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
-        seq_lens_k=torch.tensor(lengths, dtype=torch.int32),
-        block_tables=tables,
-        max_seqlen_q=max(new_tokens),
-        max_seqlen_k=max(lengths),
-        num_decodes=num_decodes,
-        cu_seqlens_q_host=cu,
-        seq_lens_k_host=lengths,
-    )
+    q, k_cache, v_cache, meta = packed_batch(num_decodes, new_tokens, lengths, gen)
+    tables, cu = meta.block_tables, meta.cu_seqlens_q_host
     out = paged_attention(q, k_cache, v_cache, meta, 0.4)
     assert out.shape == q.shape
     for b, (n, length) in enumerate(zip(new_tokens, lengths)):
